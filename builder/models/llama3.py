@@ -1,0 +1,203 @@
+"""Llama 3 decoder (GQA, RoPE, SwiGLU, RMSNorm), written for tracing.
+
+The model is plain PyTorch (attention goes through the runtime's device-dispatched op): the builder parallelizes it with DTensor and traces it, and
+titan-verify runs the very same code eagerly as the reference. RoPE tables are computed
+inside forward (not stored as buffers), so a traced graph needs no constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan.runtime.ops import causal_attention
+
+
+@dataclass(kw_only=True, frozen=True)
+class LlamaConfig:
+    dim: int
+    """Model (residual stream) width."""
+    n_layers: int
+    """Number of transformer blocks."""
+    n_heads: int
+    """Query heads per attention layer."""
+    n_kv_heads: int
+    """Key/value heads (grouped-query attention)."""
+    vocab_size: int
+    """Embedding rows and output logits."""
+    multiple_of: int
+    """The SwiGLU hidden width is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None
+    """Scales the SwiGLU hidden width before rounding."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 500000.0
+    """RoPE base frequency."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Published Llama 3.x shapes. `1B` is Llama 3.2 1B with untied output weights.
+FLAVORS: dict[str, LlamaConfig] = {
+    "debug": LlamaConfig(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=2048,
+                         multiple_of=64, ffn_dim_multiplier=None),
+    "1B": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                      multiple_of=256, ffn_dim_multiplier=1.5),
+    "8B": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                      multiple_of=1024, ffn_dim_multiplier=1.3),
+    "70B": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                       multiple_of=4096, ffn_dim_multiplier=1.3),
+    "405B": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                        multiple_of=4096, ffn_dim_multiplier=1.2),
+}
+DEFAULT_FLAVOR = "8B"
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim // 2), float32."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 for the head count: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeats = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = causal_attention(q, k, v)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama3(nn.Module):
+    """Decoder that returns this rank's share of the mean next-token loss.
+
+    `loss_scale` (an attribute) divides the summed token loss: the builder sets it to the number of tokens
+    in the global batch, so summing every data-parallel rank's output gives the mean loss
+    and the gradients (summed by the data-parallel reductions) are those of that mean.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    loss_scale: float = 1.0
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        logits = self.output(self.norm(h))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+        return loss / self.loss_scale
+
+
+def init_specs(cfg: LlamaConfig) -> dict[str, dict]:
+    """How each parameter is initialized (torchtitan's scheme), by fully qualified name.
+
+    The runtime materializes parameters from these specs alone (it never sees model code),
+    so the eager reference initializes through the same specs.
+    """
+    base_std = 0.02
+    specs: dict[str, dict] = {"tok_embeddings.weight": {"kind": "normal", "std": 1.0}}
+    for i in range(cfg.n_layers):
+        depth_std = base_std / math.sqrt(2 * (i + 1))
+        p = f"layers.{i}."
+        for name in ("attention_norm.weight", "ffn_norm.weight"):
+            specs[p + name] = {"kind": "ones"}
+        for name in ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                     "feed_forward.w1.weight"):
+            specs[p + name] = {"kind": "trunc_normal", "std": base_std, "a": -2.0, "b": 2.0}
+        for name in ("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w3.weight"):
+            specs[p + name] = {"kind": "trunc_normal", "std": depth_std, "a": -2.0, "b": 2.0}
+    specs["norm.weight"] = {"kind": "ones"}
+    out_std = cfg.dim ** -0.5
+    specs["output.weight"] = {"kind": "trunc_normal", "std": out_std, "a": -3 * out_std, "b": 3 * out_std}
+    return specs

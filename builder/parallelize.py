@@ -1,0 +1,182 @@
+"""Apply a Layout to a Llama3 module: tensor parallelism (with sequence parallel) and
+SimpleFSDP-style data parallelism.
+
+Every parameter leaf ends up as a plain local tensor: this rank's shard. A class-level
+property re-wraps it on access: `DTensor.from_local` on the data-parallel mesh, a
+redistribute to Replicate (the FSDP all-gather), `to_local` with Partial gradients (so the
+backward reduce-scatters / all-reduces), and `DTensor.from_local` on the tp mesh for the
+tensor-parallel modules. All collectives of the step, forward and backward, are therefore
+inside the traced graph and every gradient comes out fully reduced, in the same layout as
+its parameter: nothing is owed after the graph. The eager reference runs this same module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan.builder.layout import Layout
+from titan.builder.models.llama3 import Llama3
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParamShard:
+    """Where this rank's shard of one parameter sits in the global tensor."""
+
+    fqn: str
+    """Fully qualified parameter name."""
+    global_shape: tuple[int, ...]
+    """Shape of the unsharded parameter."""
+    local_shape: tuple[int, ...]
+    """Shape of this rank's shard."""
+    placements: dict[str, str]
+    """Per mesh dimension: 'R' (replicated) or 'S(d)' (sharded on tensor dim d)."""
+    slices: tuple[tuple[int, int, int], ...]
+    """(dim, parts, index) applied in order to the global tensor to cut this shard."""
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
+    dims = layout.mesh_shape()
+    if not dims:
+        return None
+    return init_device_mesh(device_type, tuple(s for _, s in dims),
+                            mesh_dim_names=tuple(n for n, _ in dims))
+
+
+def _tp_plan(model: Llama3) -> dict:
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
+                                  use_local_output=True),
+    }
+    for name in model.layers:
+        p = f"layers.{name}."
+        plan.update({
+            p + "attention_norm": SequenceParallel(),
+            p + "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+            p + "attention.wq": ColwiseParallel(),
+            p + "attention.wk": ColwiseParallel(),
+            p + "attention.wv": ColwiseParallel(),
+            p + "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            p + "ffn_norm": SequenceParallel(),
+            p + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                   desired_input_layouts=(Replicate(),)),
+            p + "feed_forward.w1": ColwiseParallel(),
+            p + "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            p + "feed_forward.w3": ColwiseParallel(),
+        })
+    return plan
+
+
+def _placement_str(p) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    assert isinstance(p, Replicate), f"unexpected parameter placement {p}"
+    return "R"
+
+
+class _ShardedParamAccess:
+    """Computes the tensor a module sees for one of its sharded parameters."""
+
+    def __init__(self, *, dp_mesh: DeviceMesh | None, dp_placements: tuple, tp_mesh: DeviceMesh | None,
+                 tp_placements: tuple):
+        self.dp_mesh = dp_mesh
+        self.dp_placements = dp_placements
+        self.tp_mesh = tp_mesh
+        self.tp_placements = tp_placements
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        x = local
+        if self.dp_mesh is not None:
+            n = len(self.dp_placements)
+            sharded = DTensor.from_local(x, self.dp_mesh, self.dp_placements, run_check=False)
+            full = sharded.redistribute(self.dp_mesh, (Replicate(),) * n)
+            x = full.to_local(grad_placements=(Partial(),) * n)
+        if self.tp_mesh is not None:
+            x = DTensor.from_local(x, self.tp_mesh, self.tp_placements, run_check=False)
+        return x
+
+
+def _install_access(module: nn.Module, name: str, access: _ShardedParamAccess) -> None:
+    """Make `module.<name>` return access(local shard); the shard stays in _parameters."""
+    cls = module.__class__
+    accessors = dict(getattr(cls, "_titan_accessors", {}))
+    accessors[name] = access
+    if not getattr(cls, "_titan_sharded", False):
+        cls = type(cls.__name__, (cls,), {"_titan_sharded": True})
+        module.__class__ = cls
+    cls._titan_accessors = accessors
+    setattr(cls, name, property(lambda self, _n=name: self.__class__._titan_accessors[_n](self._parameters[_n])))
+
+
+def parallelize(model: Llama3, layout: Layout, mesh: DeviceMesh | None,
+                coords: dict[str, int]) -> list[ParamShard]:
+    """Shard `model` in place for this rank; return where each local shard sits.
+
+    Works on a meta model (for tracing) and on a real one (for the eager reference).
+    """
+    if mesh is None:
+        return [ParamShard(fqn=fqn, global_shape=tuple(p.shape), local_shape=tuple(p.shape),
+                           placements={}, slices=()) for fqn, p in model.named_parameters()]
+    names = mesh.mesh_dim_names
+    tp_mesh = mesh["tp"] if "tp" in names else None
+    dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+    dp_mesh = mesh[dp_names] if dp_names else None
+    if tp_mesh is not None:
+        parallelize_module(model, tp_mesh, _tp_plan(model))
+
+    shards = []
+    for mod_name, module in list(model.named_modules()):
+        for pname, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            placements: dict[str, str] = {}
+            slices: list[tuple[int, int, int]] = []
+            if isinstance(param, DTensor):
+                global_shape = tuple(param.shape)
+                tp_placements = tuple(param.placements)
+                (tp_pl,) = tp_placements
+                placements["tp"] = _placement_str(tp_pl)
+                if isinstance(tp_pl, Shard):
+                    slices.append((tp_pl.dim, layout.tp, coords["tp"]))
+                local = param.to_local()
+            else:
+                global_shape = tuple(param.shape)
+                tp_placements = ()
+                local = param.data
+            dp_placements = []
+            for dp_name in dp_names:
+                if dp_name == "dp_shard":
+                    dp_placements.append(Shard(0))
+                    placements[dp_name] = "S(0)"
+                    slices.append((0, layout.dp_shard, coords["dp_shard"]))
+                else:
+                    dp_placements.append(Replicate())
+                    placements[dp_name] = "R"
+            if "dp_shard" in dp_names:
+                size = local.shape[0] // layout.dp_shard
+                local = local.narrow(0, coords["dp_shard"] * size, size)
+            module._parameters[pname] = nn.Parameter(local.detach().clone() if local.device.type != "meta"
+                                                     else torch.empty_like(local), requires_grad=True)
+            _install_access(module, pname, _ShardedParamAccess(
+                dp_mesh=dp_mesh, dp_placements=tuple(dp_placements),
+                tp_mesh=tp_mesh if tp_placements else None, tp_placements=tp_placements))
+            shards.append(ParamShard(fqn=fqn, global_shape=global_shape,
+                                     local_shape=tuple(module._parameters[pname].shape),
+                                     placements={n: placements.get(n, "R") for n in names},
+                                     slices=tuple(slices)))
+    return shards

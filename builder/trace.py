@@ -1,0 +1,159 @@
+"""Trace one rank: fake process group + fake tensors -> joint graph -> partition -> blobs.
+
+Each rank is traced in a fresh process (see build.py): re-initializing the fake process group
+in one process leaves DTensor sharding-propagation caches keyed on a mesh whose equality
+ignores the rank, which silently bakes rank 0's coordinates into later ranks' graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from titan.builder.graph_writer import encode_graph
+from titan.builder.layout import Layout
+from titan.builder.models.llama3 import Llama3, LlamaConfig, init_specs
+from titan.builder.parallelize import build_mesh, parallelize
+
+PARTITIONERS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
+
+
+@dataclass(kw_only=True, frozen=True)
+class RankJob:
+    cfg: LlamaConfig
+    """Model shape."""
+    layout: Layout
+    """Parallel layout."""
+    rank: int
+    """Rank to trace."""
+    batch_size: int
+    """Per data-parallel rank batch (sequences)."""
+    seq_len: int
+    """Tokens per sequence."""
+    partitioner: str = "min_cut"
+    """Forward/backward partitioner name (see PARTITIONERS)."""
+
+
+@dataclass(kw_only=True)
+class RankResult:
+    rank: int
+    forward: bytes
+    backward: bytes
+    meta: dict
+    timings: dict = field(default_factory=dict)
+
+
+def _desc_input(desc) -> dict:
+    """Describe a joint-graph placeholder from its AOT descriptor."""
+    name = type(desc).__name__
+    if name == "ParamAOTInput":
+        return {"kind": "param", "fqn": desc.target}
+    if name == "PlainAOTInput":
+        return {"kind": ("tokens", "labels")[desc.idx]}
+    if name == "TangentAOTInput":
+        return {"kind": "tangent"}
+    raise ValueError(f"unexpected graph input {desc}")
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy (nodes and meta dicts copied, tensors in meta shared): deepcopy
+    would clone fake tensors, which fails while the export's fake mode is active."""
+    graph = fx.Graph()
+    out_val = graph.graph_copy(gm.graph, {})
+    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph.output(out_val).meta.update(old_output.meta)
+    return fx.GraphModule(gm, graph)
+
+
+def _group_names(mesh) -> dict[str, str]:
+    if mesh is None:
+        return {}
+    return {mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}
+
+
+def trace_rank(job: RankJob) -> RankResult:
+    layout, rank = job.layout, job.rank
+    t0 = time.perf_counter()
+    if layout.world_size > 1:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        mesh = build_mesh(layout, "cpu")
+        coords = layout.coordinates(rank)
+        with torch.device("meta"):
+            model = Llama3(job.cfg)
+        model.loss_scale = float(job.batch_size * job.seq_len * layout.dp_degree)
+        shards = parallelize(model, layout, mesh, coords)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode:
+            model.to_empty(device="cpu")
+            tokens = torch.empty(job.batch_size, job.seq_len, dtype=torch.long)
+            labels = torch.empty(job.batch_size, job.seq_len, dtype=torch.long)
+        with contextlib.ExitStack() as stack:
+            joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels),
+                                                      _record_nn_module_stack=True)
+            t_export = time.perf_counter()
+            gm = joint.graph_module
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
+            # The partitioners rewrite the joint graph in place: give them a copy.
+            joint_copy = copy_graph_module(gm)
+            fw, bw = PARTITIONERS[job.partitioner](joint_copy, None, num_fwd_outputs=1)
+            t_partition = time.perf_counter()
+        # Encode after the export context (and its fake mode) has closed: constants are real.
+        groups = _group_names(mesh)
+        fw_blob = encode_graph(fw, group_names=groups)
+        bw_blob = encode_graph(bw, group_names=groups)
+        meta = _rank_meta(job, coords, shards, joint_inputs, fw, bw)
+        t_end = time.perf_counter()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return RankResult(rank=rank, forward=fw_blob, backward=bw_blob, meta=meta,
+                      timings={"export_s": t_export - t0, "partition_s": t_partition - t_export,
+                               "encode_s": t_end - t_partition})
+
+
+def _rank_meta(job: RankJob, coords: dict, shards, joint_inputs: list[dict],
+               fw: fx.GraphModule, bw: fx.GraphModule) -> dict:
+    specs = init_specs(job.cfg)
+    by_fqn = {s.fqn: s for s in shards}
+    fw_inputs = [inp for inp in joint_inputs if inp["kind"] != "tangent"]
+    n_fw_in = sum(1 for n in fw.graph.nodes if n.op == "placeholder")
+    assert n_fw_in == len(fw_inputs), (n_fw_in, len(fw_inputs))
+    fw_outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    n_saved = len(fw_outputs) - 1
+    bw_in = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    assert len(bw_in) == n_saved + 1 and bw_in[-1].name.startswith("tangents"), [n.name for n in bw_in[-3:]]
+    bw_outputs = next(n for n in bw.graph.nodes if n.op == "output").args[0]
+    assert len(bw_outputs) == len(fw_inputs)
+    params = []
+    for inp in fw_inputs:
+        if inp["kind"] != "param":
+            continue
+        s = by_fqn[inp["fqn"]]
+        params.append({"fqn": s.fqn, "global_shape": list(s.global_shape), "local_shape": list(s.local_shape),
+                       "placements": s.placements, "slices": [list(x) for x in s.slices],
+                       "init": specs[s.fqn], "dtype": "float32"})
+    grads = [inp.get("fqn") if inp["kind"] == "param" else None for inp in fw_inputs]
+    for fqn, out in zip(grads, bw_outputs):
+        assert (fqn is None) == (out is None), f"gradient presence mismatch for {fqn}"
+    return {
+        "rank": job.rank,
+        "coords": coords,
+        "params": params,
+        "forward_inputs": fw_inputs,
+        "static_input_indices": [i for i, inp in enumerate(fw_inputs) if inp["kind"] == "param"],
+        "saved_activations": n_saved,
+        "backward_outputs": grads,
+        # Every data- and tensor-parallel reduction is inside the backward graph.
+        "grad_reductions_owed": {},
+    }

@@ -1,0 +1,64 @@
+"""titan-run: train from an artifact on every rank.
+
+Spawns the artifact's world size of local ranks, or, under torchrun (RANK set), runs one rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from titan.cli.errors import user_errors
+
+
+def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
+    for flag, given, built in (("--batch-size", batch_size, manifest["batch_size"]),
+                               ("--seq-len", seq_len, manifest["seq_len"])):
+        if given is not None and given != built:
+            raise ValueError(f"{flag} {given} differs from the artifact's {built} (it shapes the graphs); "
+                             f"rebuild with titan-build {flag} {given}")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--steps", default=20, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
+@click.option("--lr", default=8e-4, show_default=True, type=float, help="AdamW learning rate.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for initial weights and synthetic data.")
+@click.option("--batch-size", default=None, type=int, help="Must equal the artifact's (it shapes the graphs).")
+@click.option("--seq-len", default=None, type=int, help="Must equal the artifact's (it shapes the graphs).")
+@click.option("--data", default=None, type=click.Path(dir_okay=False), help="Flat token file (default: synthetic tokens).")
+@click.option("--data-dtype", default="uint16", show_default=True, type=click.Choice(["uint16", "uint32"]))
+@click.option("--metrics", default=None, type=click.Path(dir_okay=False), help="Write one JSON object per step.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@user_errors
+def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, device):
+    """Train from ARTIFACT (a directory written by titan-build)."""
+    from titan.runtime.artifact import open_artifact
+    from titan.runtime.train import RunConfig, rank_main
+
+    cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics, device=device)
+    if "RANK" in os.environ:
+        sys.exit(rank_main(artifact, cfg))
+    art = open_artifact(artifact)
+    check_shape_flags(art.manifest, batch_size, seq_len)
+    art.verify_all()
+    if device != "cpu":
+        _check_gpus(art.world_size, device)
+    from titan.runtime.launch import spawn_local
+    sys.exit(spawn_local("titan.cli.run", sys.argv[1:], art.world_size))
+
+
+def _check_gpus(world_size: int, device: str) -> None:
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible here; use --device cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and count < world_size:
+        raise ValueError(f"the artifact has {world_size} ranks but this host has {count} GPU(s); "
+                         "launch with torchrun across hosts, or use --device cpu")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The artifact on disk (spec: artifacts/README.md) and its verified loading."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ARTIFACT_FORMAT = "titan-artifact"
+ARTIFACT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(ValueError):
+    """The artifact is missing, corrupt, or does not fit this process; the message says how to fix it."""
+
+
+def torch_release(version: str) -> str:
+    """'2.13.0+cpu' -> '2.13.0': the local build tag does not change graphs."""
+    return version.split("+", 1)[0]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    root: Path
+    manifest: dict
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest["world_size"]
+
+    @property
+    def mesh(self) -> list[tuple[str, int]]:
+        return [(name, size) for name, size in self.manifest["mesh"]]
+
+    def read_verified(self, rel: str) -> bytes:
+        """Read a listed file, checking its sha256 against the manifest."""
+        expected = self.manifest["files"].get(rel)
+        if expected is None:
+            raise ArtifactError(f"{self.root}: {rel} is not listed in the manifest; rebuild with titan-build")
+        path = self.root / rel
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ArtifactError(f"{self.root}: {rel} is missing; rebuild with titan-build") from None
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise ArtifactError(f"{self.root}: {rel} does not match its sha256 in the manifest "
+                                "(edited or corrupt); rebuild with titan-build")
+        return data
+
+    def verify_all(self) -> None:
+        for rel in self.manifest["files"]:
+            self.read_verified(rel)
+
+    def rank_entry(self, rank: int) -> dict:
+        if not 0 <= rank < self.world_size:
+            raise ArtifactError(f"rank {rank} is outside this artifact's world size {self.world_size}")
+        entry = self.manifest["ranks"][rank]
+        if entry["rank"] != rank:
+            raise ArtifactError(f"{self.root}: manifest rank table is out of order; rebuild with titan-build")
+        return entry
+
+    def rank_meta(self, rank: int) -> dict:
+        meta = json.loads(self.read_verified(self.rank_entry(rank)["meta"]))
+        if meta.get("rank") != rank:
+            # A rank's graphs bake in its coordinates: running another rank's graphs trains wrong.
+            raise ArtifactError(f"{self.root}: rank {rank} metadata describes rank {meta.get('rank')}; "
+                                "rebuild with titan-build")
+        return meta
+
+
+def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:
+    root = Path(path)
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{root} is not a titan artifact (no {MANIFEST}); build one with titan-build")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{mpath} is not valid JSON ({e}); rebuild with titan-build") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != ARTIFACT_FORMAT:
+        raise ArtifactError(f"{mpath} is not a titan artifact manifest; rebuild with titan-build")
+    if manifest.get("format_version") != ARTIFACT_VERSION:
+        raise ArtifactError(f"{root} has artifact format {manifest.get('format_version')!r}; this runtime reads "
+                            f"format {ARTIFACT_VERSION}: rebuild it with this version's titan-build")
+    for key in ("world_size", "mesh", "ranks", "files", "torch_version", "batch_size", "seq_len", "model_config"):
+        if key not in manifest:
+            raise ArtifactError(f"{mpath} lacks '{key}'; rebuild with titan-build")
+    if len(manifest["ranks"]) != manifest["world_size"]:
+        raise ArtifactError(f"{mpath}: {len(manifest['ranks'])} rank entries for world size "
+                            f"{manifest['world_size']}; rebuild with titan-build")
+    if check_torch:
+        built, here = torch_release(manifest["torch_version"]), torch_release(torch.__version__)
+        if built != here:
+            raise ArtifactError(f"{root} was built with torch {built} but this is torch {here}; "
+                                f"rebuild it here with titan-build (graphs are not portable across torch versions)")
+    return Artifact(root=root, manifest=manifest)

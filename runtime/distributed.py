@@ -1,0 +1,82 @@
+"""Process-group setup for one rank: environment (torchrun style), device, backend, mesh."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @staticmethod
+    def from_environ() -> "RankEnv":
+        try:
+            rank = int(os.environ["RANK"])
+            world = int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
+            raise ValueError("RANK and WORLD_SIZE must be set (run under torchrun, or let titan-run spawn ranks)") from None
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return RankEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
+
+
+def pick_device(requested: str, env: RankEnv) -> torch.device:
+    """'auto' is CUDA when this host has GPUs, else CPU."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible here; use --device cpu")
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise ValueError(f"this host has {count} GPU(s) but needs {env.local_world_size} for its local ranks; "
+                         "run on a host with enough GPUs, or use --device cpu")
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def init_process_group(env: RankEnv, device: torch.device) -> None:
+    if env.world_size == 1 or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        dist.init_process_group("nccl", rank=env.rank, world_size=env.world_size, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+
+
+def build_mesh(mesh_shape: list[tuple[str, int]], device: torch.device):
+    """The artifact's mesh on the real process group, or None for a single rank."""
+    if not mesh_shape:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device.type, tuple(s for _, s in mesh_shape),
+                            mesh_dim_names=tuple(n for n, _ in mesh_shape))
+
+
+def group_names(mesh) -> dict[str, str]:
+    """Mesh-dimension name -> this process's process-group name."""
+    if mesh is None:
+        return {}
+    return {name: mesh.get_group(name).group_name for name in mesh.mesh_dim_names}
+
+
+def dp_sum(value: torch.Tensor, mesh) -> torch.Tensor:
+    """Sum a per-rank scalar over the data-parallel mesh dimensions (for reporting)."""
+    out = value.detach().clone()
+    if mesh is None:
+        return out
+    for name in ("dp_replicate", "dp_shard"):
+        if name in mesh.mesh_dim_names:
+            dist.all_reduce(out, group=mesh.get_group(name))
+    return out

@@ -1,0 +1,190 @@
+"""The titan graph format (version 1): an FX graph as a msgpack node list, and its reader.
+
+A graph blob is a msgpack map:
+    {"format": "titan-graph", "version": 1, "nodes": [node, ...], "constants": bytes | null}
+and each node is a map
+    {"name": str, "op": "placeholder" | "call_function" | "get_attr" | "output",
+     "target": str, "args": [value...], "kwargs": {str: value}, "val": meta, "module": str}
+Values are msgpack scalars, lists, or one-key maps for what msgpack lacks:
+    {"$n": i}        the output of node i (i < this node's index: graphs are acyclic)
+    {"$t": [...]}    a tuple
+    {"$dtype": s}    a torch dtype by name       {"$layout": s}  {"$mf": s} (memory format)
+    {"$device": "local"}   the device the graph runs on
+    {"$group": s}    the process group of mesh dimension s (e.g. "tp"), bound at load
+`val` describes a node's result: {"shape", "stride", "dtype"} for a tensor, a list of those
+for a tuple, {"int": n} for an integer, or null. Tensor constants (get_attr targets) are a
+safetensors document embedded as bytes. Call targets are "<namespace>.<op>.<overload>" from the
+allow-list below, or "getitem"; anything else is refused, so loading runs no code.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import msgpack
+import safetensors.torch
+import torch
+import torch.fx as fx
+
+FORMAT = "titan-graph"
+VERSION = 1
+ALLOWED_NAMESPACES = ("aten", "prims", "_c10d_functional", "titan")
+# aten ops that touch the file system or host memory by address are never loaded.
+DENIED_OPS = frozenset({"aten.from_file", "aten._nested_tensor_from_mask"})
+BUILTIN_TARGETS: dict[str, Callable] = {"getitem": operator.getitem}
+
+
+class GraphFormatError(ValueError):
+    """A graph blob is malformed or refers to something outside the allow-list."""
+
+
+def target_name(target: Any) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        ns, op = target._schema.name.split("::")
+        return f"{ns}.{op}.{target._overloadname}"
+    raise GraphFormatError(f"graph calls {target!r}, which the titan format cannot express")
+
+
+def resolve_target(name: str) -> Callable:
+    if name in BUILTIN_TARGETS:
+        return BUILTIN_TARGETS[name]
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] not in ALLOWED_NAMESPACES:
+        raise GraphFormatError(f"op {name!r} is not on the allow-list ({', '.join(ALLOWED_NAMESPACES)})")
+    ns, op, overload = parts
+    if f"{ns}.{op}" in DENIED_OPS:
+        raise GraphFormatError(f"op {name!r} is denied")
+    if ns == "titan":
+        import titan.runtime.ops  # noqa: F401  (registers the titan:: ops)
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+        return getattr(packet, overload)
+    except (AttributeError, RuntimeError) as e:
+        raise GraphFormatError(f"op {name!r} does not exist in torch {torch.__version__}") from e
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
+_LAYOUTS = {"strided": torch.strided}
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise GraphFormatError(f"unknown dtype {name!r}") from None
+
+
+def _decode_value(v: Any, nodes: list[fx.Node], here: int, ctx: "_DecodeContext") -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_decode_value(x, nodes, here, ctx) for x in v]
+    if isinstance(v, dict) and len(v) == 1:
+        (key, arg), = v.items()
+        if key == "$n":
+            if not isinstance(arg, int) or not 0 <= arg < here:
+                raise GraphFormatError(f"node {here} refers to node {arg!r}, which is not an earlier node")
+            return nodes[arg]
+        if key == "$t":
+            if not isinstance(arg, list):
+                raise GraphFormatError(f"node {here}: malformed tuple")
+            return tuple(_decode_value(x, nodes, here, ctx) for x in arg)
+        if key == "$dtype":
+            return dtype_from_name(arg)
+        if key == "$device":
+            if arg != "local":
+                raise GraphFormatError(f"node {here}: device {arg!r} is not 'local'")
+            return ctx.device
+        if key == "$layout" and arg in _LAYOUTS:
+            return _LAYOUTS[arg]
+        if key == "$mf" and arg in _MEMORY_FORMATS:
+            return _MEMORY_FORMATS[arg]
+        if key == "$group":
+            if arg not in ctx.groups:
+                raise GraphFormatError(f"node {here}: process group {arg!r} is not a mesh dimension here "
+                                       f"({', '.join(ctx.groups) or 'none'})")
+            return ctx.groups[arg]
+    raise GraphFormatError(f"node {here}: cannot decode value {v!r}")
+
+
+class _DecodeContext:
+    def __init__(self, device: torch.device, groups: dict[str, str]):
+        self.device = device
+        self.groups = groups
+
+
+def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> fx.GraphModule:
+    """Rebuild a GraphModule from a blob. `groups` maps mesh dimension names to the real
+    process-group names of this process."""
+    try:
+        doc = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise GraphFormatError(f"graph blob is not valid msgpack: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise GraphFormatError("blob is not a titan graph")
+    if doc.get("version") != VERSION:
+        raise GraphFormatError(f"graph format version {doc.get('version')!r}; this runtime reads version {VERSION}")
+    constants: dict[str, torch.Tensor] = {}
+    if doc.get("constants") is not None:
+        if not isinstance(doc["constants"], bytes):
+            raise GraphFormatError("graph constants are not a safetensors document")
+        try:
+            constants = safetensors.torch.load(doc["constants"])
+        except Exception as e:  # safetensors raises its own error types on bad input
+            raise GraphFormatError(f"graph constants are unreadable: {e}") from e
+    ctx = _DecodeContext(device, groups)
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    nodes: list[fx.Node] = []
+    records = doc.get("nodes")
+    if not isinstance(records, list) or not records:
+        raise GraphFormatError("graph has no nodes")
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise GraphFormatError(f"node {i} is not a map")
+        op = rec.get("op")
+        args = _decode_value(rec.get("args", []), nodes, i, ctx)
+        raw_kwargs = rec.get("kwargs") or {}
+        if not isinstance(args, list) or not isinstance(raw_kwargs, dict):
+            raise GraphFormatError(f"node {i}: args must be a list and kwargs a map")
+        kwargs = {str(k): _decode_value(v, nodes, i, ctx) for k, v in raw_kwargs.items()}
+        name = rec.get("name")
+        if not isinstance(name, str):
+            raise GraphFormatError(f"node {i}: missing name")
+        if op == "placeholder":
+            node = graph.placeholder(name)
+        elif op == "call_function":
+            node = graph.create_node("call_function", resolve_target(rec.get("target", "")),
+                                     tuple(args), kwargs, name=name)
+        elif op == "get_attr":
+            target = rec.get("target")
+            if target not in constants:
+                raise GraphFormatError(f"node {i}: constant {target!r} is missing")
+            if not hasattr(root, target):
+                root.register_buffer(target, constants[target].to(device))
+            node = graph.get_attr(target)
+        elif op == "output":
+            if i != len(records) - 1:
+                raise GraphFormatError("output node is not last")
+            node = graph.output(args[0] if len(args) == 1 else tuple(args))
+        else:
+            raise GraphFormatError(f"node {i}: unknown op kind {op!r}")
+        node.meta["titan_val"] = rec.get("val")
+        nodes.append(node)
+    if nodes[-1].op != "output":
+        raise GraphFormatError("graph has no output node")
+    return fx.GraphModule(root, graph)
+
+
+def read_header(blob: bytes) -> dict:
+    """The blob's document (nodes included), for tools that inspect graphs."""
+    doc = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise GraphFormatError("blob is not a titan graph")
+    return doc

@@ -1,0 +1,60 @@
+"""Spawn the local ranks of a job as torchrun would, and supervise them.
+
+Each rank is `python -m <module> <args>` with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT set, so a spawned rank and a torchrun rank take the same code path. When one rank
+fails, the others are stopped (they would block in a collective) and its exit code returned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+STOP_GRACE_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def spawn_local(module: str, args: list[str], world_size: int) -> int:
+    """Run `world_size` ranks on this host; returns 0, or the first failing rank's exit code."""
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                _stop(procs)
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130

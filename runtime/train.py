@@ -1,0 +1,157 @@
+"""Train one rank from an artifact: load -> verify -> bind -> materialize -> loop."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
+from titan.runtime.data import SyntheticTokens, TokenFile
+from titan.runtime.distributed import RankEnv, build_mesh, dp_sum, group_names, init_process_group, pick_device
+from titan.runtime.graph_format import load_graph
+from titan.runtime.init import materialize
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    steps: int = 20
+    """Optimizer steps to run."""
+    lr: float = 8e-4
+    """AdamW learning rate."""
+    seed: int = 0
+    """Seed for parameter init and synthetic data."""
+    data: str | None = None
+    """Flat token file; synthetic tokens when None."""
+    data_dtype: str = "uint16"
+    """Element type of the token file."""
+    metrics: str | None = None
+    """Write one JSON object per step here (rank 0)."""
+    device: str = "auto"
+    """auto, cpu or cuda."""
+    quiet: bool = False
+    """Print no step lines."""
+
+
+def make_optimizer(params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    """AdamW as torchtitan configures it; the eager reference uses the same."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
+    layout = manifest["layout"]
+    dp_rank = coords.get("dp_replicate", 0) * layout["dp_shard"] + coords.get("dp_shard", 0)
+    common = dict(vocab_size=manifest["model_config"]["vocab_size"], batch_size=manifest["batch_size"],
+                  seq_len=manifest["seq_len"])
+    if cfg.data is None:
+        return SyntheticTokens(seed=cfg.seed, dp_rank=dp_rank, **common)
+    return TokenFile(cfg.data, dtype=cfg.data_dtype, dp_rank=dp_rank,
+                     dp_degree=layout["dp_replicate"] * layout["dp_shard"], **common)
+
+
+class GraphProgram:
+    """This rank's forward and backward graphs and its parameter shards."""
+
+    def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int):
+        meta = artifact.rank_meta(rank)
+        entry = artifact.rank_entry(rank)
+        if meta["grad_reductions_owed"]:
+            raise ArtifactError(f"{artifact.root}: rank {rank} owes gradient reductions outside the graph, "
+                                "which this runtime does not perform; rebuild with this version's titan-build")
+        groups = group_names(mesh)
+        self.forward = load_graph(artifact.read_verified(entry["forward"]), device=device, groups=groups)
+        self.backward = load_graph(artifact.read_verified(entry["backward"]), device=device, groups=groups)
+        self.inputs = meta["forward_inputs"]
+        self.params = [materialize(p, seed=seed, device=device) for p in meta["params"]]
+        self.param_names = [p["fqn"] for p in meta["params"]]
+        self.coords = meta["coords"]
+        self.device = device
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward + backward; sets .grad on each parameter; returns this rank's loss."""
+        params = iter(self.params)
+        args = []
+        for inp in self.inputs:
+            kind = inp["kind"]
+            args.append(next(params) if kind == "param" else tokens if kind == "tokens" else labels)
+        loss, *saved = self.forward(*args)
+        grads = self.backward(*saved, torch.ones_like(loss))
+        del saved
+        grads_iter = iter(g for inp, g in zip(self.inputs, grads) if inp["kind"] == "param")
+        for p in self.params:
+            p.grad = next(grads_iter)
+        return loss.detach()
+
+
+def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer,
+               data, *, steps: int, device: torch.device, mesh, tokens_per_step: int,
+               log: Callable[[dict], None] | None) -> list[torch.Tensor]:
+    """Run `steps` optimizer steps; returns each step's loss summed over data-parallel ranks."""
+    losses = []
+    for step in range(1, steps + 1):
+        tokens, labels = data.batch(step - 1)
+        tokens, labels = tokens.to(device), labels.to(device)
+        t0 = time.perf_counter()
+        local = step_fn(tokens, labels)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = dp_sum(local, mesh).cpu()
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        if log is not None:
+            record = {"step": step, "loss": loss.item(), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+            if device.type == "cuda":
+                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            log(record)
+    return losses
+
+
+def _step_logger(cfg: RunConfig, is_rank0: bool, total: int):
+    if not is_rank0:
+        return None
+    metrics = open(cfg.metrics, "w") if cfg.metrics else None
+
+    def log(rec: dict) -> None:
+        if not cfg.quiet:
+            print(f"step {rec['step']:>4}/{total} | loss {rec['loss']:.6f} | tokens/s {rec['tokens_per_s']:,.0f}"
+                  f" | step {rec['step_time_s']:.3f} s", flush=True)
+        if metrics is not None:
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+    return log
+
+
+def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Tensor]:
+    artifact = open_artifact(artifact_path)
+    if env.world_size != artifact.world_size:
+        raise ArtifactError(f"{artifact_path} was built for world size {artifact.world_size}, but this job has "
+                            f"{env.world_size} ranks; launch {artifact.world_size} ranks or rebuild for this layout")
+    device = pick_device(cfg.device, env)
+    init_process_group(env, device)
+    mesh = build_mesh(artifact.mesh, device)
+    program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed)
+    optimizer = make_optimizer(program.params, cfg.lr)
+    data = make_data(artifact.manifest, cfg, program.coords)
+    m = artifact.manifest
+    tokens_per_step = m["batch_size"] * m["seq_len"] * m["layout"]["dp_replicate"] * m["layout"]["dp_shard"]
+    return train_loop(program.step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
+                      tokens_per_step=tokens_per_step, log=_step_logger(cfg, env.rank == 0, cfg.steps))
+
+
+def rank_main(artifact_path: str, cfg: RunConfig) -> int:
+    """Entry point of one rank process; returns the exit code."""
+    import torch.distributed as dist
+    try:
+        env = RankEnv.from_environ()
+        run_rank(artifact_path, cfg, env)
+    except ValueError as e:  # ArtifactError and bad options: the user's to fix
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
