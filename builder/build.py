@@ -132,7 +132,10 @@ def _fill_and_place(spec: BuildSpec, results: list[RankResult], tmp: Path, out: 
         _write_file(tmp, fw, res.forward, files)
         _write_file(tmp, bw, res.backward, files)
         meta_rel = f"ranks/rank{res.rank}.json"
-        _write_file(tmp, meta_rel, json.dumps(res.meta, indent=1).encode(), files)
+        # The rank's metadata names its graphs, so a manifest pointing a rank at another rank's
+        # graphs is refused at load.
+        meta = dict(res.meta, forward_graph=files[fw], backward_graph=files[bw])
+        _write_file(tmp, meta_rel, json.dumps(meta, indent=1).encode(), files)
         ranks.append({"rank": res.rank, "meta": meta_rel, "forward": fw, "backward": bw})
     manifest = {
         "format": ARTIFACT_FORMAT,

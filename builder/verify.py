@@ -11,7 +11,7 @@ from titan.builder.layout import Layout
 from titan.builder.models.llama3 import FLAVORS, LlamaConfig
 from titan.runtime.artifact import open_artifact
 from titan.runtime.distributed import RankEnv, build_mesh, init_process_group, pick_device
-from titan.runtime.train import GraphProgram, RunConfig, make_data, make_optimizer, train_loop
+from titan.runtime.train import ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, train_loop
 
 
 def eager_config(manifest: dict) -> LlamaConfig:
@@ -28,7 +28,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> tuple[list[
     m = art.manifest
     if env.world_size != art.world_size:
         raise ValueError(f"{artifact_path} needs {art.world_size} ranks, this job has {env.world_size}")
-    device = pick_device(cfg.device, env)
+    device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
     init_process_group(env, device)
     mesh = build_mesh(art.mesh, device)
     layout = Layout(**m["layout"])
@@ -37,7 +37,9 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> tuple[list[
 
     eager = EagerProgram(eager_config(m), layout, env.rank, batch_size=m["batch_size"], seq_len=m["seq_len"],
                          device=device, mesh=mesh, seed=cfg.seed)
-    eager_losses = train_loop(eager.step, make_optimizer(eager.params, cfg.lr),
+    # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors).
+    eager_opt = torch.optim.AdamW(eager.params, lr=cfg.lr, foreach=False, **ADAMW)
+    eager_losses = train_loop(eager.step, eager_opt,
                               make_data(m, cfg, layout.coordinates(env.rank)), **kw)
     del eager
     program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed)

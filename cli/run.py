@@ -32,13 +32,15 @@ def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
 @click.option("--data-dtype", default="uint16", show_default=True, type=click.Choice(["uint16", "uint32"]))
 @click.option("--metrics", default=None, type=click.Path(dir_okay=False), help="Write one JSON object per step.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
 @user_errors
-def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, device):
+def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, device, deterministic):
     """Train from ARTIFACT (a directory written by titan-build)."""
     from titan.runtime.artifact import open_artifact
     from titan.runtime.train import RunConfig, rank_main
 
-    cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics, device=device)
+    cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics, device=device,
+                    deterministic=deterministic)
     if "RANK" in os.environ:
         sys.exit(rank_main(artifact, cfg))
     art = open_artifact(artifact)

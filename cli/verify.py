@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -15,27 +16,31 @@ from titan.cli.errors import user_errors
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
 @click.option("--lr", default=8e-4, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--data", default=None, type=click.Path(dir_okay=False), help="Flat token file (default: synthetic tokens).")
+@click.option("--data-dtype", default="uint16", show_default=True, type=click.Choice(["uint16", "uint32"]))
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write both loss columns (exact, as float.hex) to this file.")
 @user_errors
-def main(artifact, steps, lr, seed, device):
+def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, json_path):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
     from titan.runtime.artifact import open_artifact
     from titan.runtime.train import RunConfig
 
-    cfg = RunConfig(steps=steps, lr=lr, seed=seed, device=device)
+    cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
+                    deterministic=deterministic)
     if "RANK" in os.environ:
-        sys.exit(_rank(artifact, cfg))
+        sys.exit(_rank(artifact, cfg, json_path))
     art = open_artifact(artifact)
     art.verify_all()
     from titan.runtime.launch import spawn_local
     sys.exit(spawn_local("titan.cli.verify", sys.argv[1:], art.world_size))
 
 
-def _rank(artifact: str, cfg) -> int:
-    import torch.distributed as dist
-
+def _rank(artifact: str, cfg, json_path: str | None) -> int:
     from titan.builder.verify import all_ranks_equal, verify_rank
-    from titan.runtime.distributed import RankEnv
+    from titan.runtime.distributed import RankEnv, shutdown
     try:
         env = RankEnv.from_environ()
         eager, graph = verify_rank(artifact, cfg, env)
@@ -43,15 +48,16 @@ def _rank(artifact: str, cfg) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    finally:
-        pass
     if env.rank == 0:
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"eager": [x.item().hex() for x in eager], "artifact": [x.item().hex() for x in graph],
+                           "bitwise_equal": equal}, f)
         print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  same")
         for i, (a, b) in enumerate(zip(eager, graph), 1):
             print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {'yes' if bool((a == b).all()) else 'NO'}")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown()
     return 0 if equal else 1
 
 

@@ -28,20 +28,29 @@ def _seed(*parts) -> int:
 
 class SyntheticTokens:
     """Sequences that step by a per-sequence stride plus noise, t' = (t + stride + e) mod V with
-    e in {0, 1}: random enough to be non-trivial, regular enough that the loss visibly falls."""
+    e in {0, 1}: random enough to be non-trivial, regular enough that the loss visibly falls.
+
+    Sequence i of the global batch at step s depends on (seed, s, i) alone, so data-parallel
+    rank r (reading sequences r*b .. r*b+b-1) and a single process with the whole global batch
+    see the same tokens.
+    """
 
     def __init__(self, *, vocab_size: int, batch_size: int, seq_len: int, seed: int, dp_rank: int):
         self.vocab_size, self.batch_size, self.seq_len = vocab_size, batch_size, seq_len
         self.seed, self.dp_rank = seed, dp_rank
 
+    def _sequence(self, step: int, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(_seed(self.seed, "data", step, index))
+        n, v = self.seq_len + 1, self.vocab_size
+        start = torch.randint(0, v, (1,), generator=g)
+        stride = torch.randint(1, 64, (1,), generator=g)
+        steps = stride + torch.randint(0, 2, (n,), generator=g)
+        steps[0] = 0
+        return (start + steps.cumsum(0)) % v
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(_seed(self.seed, "data", step, self.dp_rank))
-        b, n, v = self.batch_size, self.seq_len + 1, self.vocab_size
-        start = torch.randint(0, v, (b, 1), generator=g)
-        stride = torch.randint(1, 64, (b, 1), generator=g)
-        steps = stride + torch.randint(0, 2, (b, n), generator=g)
-        steps[:, 0] = 0
-        seq = (start + steps.cumsum(1)) % v
+        first = self.dp_rank * self.batch_size
+        seq = torch.stack([self._sequence(step, first + i) for i in range(self.batch_size)])
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 

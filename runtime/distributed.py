@@ -28,8 +28,12 @@ class RankEnv:
         return RankEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
 
 
-def pick_device(requested: str, env: RankEnv) -> torch.device:
-    """'auto' is CUDA when this host has GPUs, else CPU."""
+def pick_device(requested: str, env: RankEnv, *, deterministic: bool = False) -> torch.device:
+    """'auto' is CUDA when this host has GPUs, else CPU. `deterministic` selects deterministic
+    kernels (cuBLAS workspace, attention backward, scatter/index ops)."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {requested!r}")
     use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
@@ -80,3 +84,11 @@ def dp_sum(value: torch.Tensor, mesh) -> torch.Tensor:
         if name in mesh.mesh_dim_names:
             dist.all_reduce(out, group=mesh.get_group(name))
     return out
+
+
+def shutdown() -> None:
+    """Tear down the process group once every rank is done with it: destroying it while a peer
+    still talks to this rank aborts gloo's worker threads at exit."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

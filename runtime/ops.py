@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import torch
 
-_LIB = "titan"
+# Defined through torch.library.Library rather than torch.library.custom_op: the latter wraps
+# every kernel in a dynamo guard that imports torch._dynamo, which the runtime must not.
+_lib = torch.library.Library("titan", "DEF")
+_lib.define("attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)")
+_lib.define("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse)"
+            " -> (Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op(f"{_LIB}::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, logsumexp)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
@@ -28,15 +32,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return res[0], res[1]
 
 
-@attention.register_fake
-def _(q, k, v):
-    b, h, s, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
-
-
-@torch.library.custom_op(f"{_LIB}::attention_backward", mutates_args=())
-def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (grad_q, grad_k, grad_v)."""
     grad_out = grad_out.contiguous()
     if q.device.type == "cpu":
@@ -54,7 +51,18 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return dq, dk, dv
 
 
-@attention_backward.register_fake
+for _key in ("CPU", "CUDA"):
+    _lib.impl("attention", _attention, _key)
+    _lib.impl("attention_backward", _attention_backward, _key)
+
+
+@torch.library.register_fake("titan::attention", lib=_lib)
+def _(q, k, v):
+    b, h, s, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.register_fake("titan::attention_backward", lib=_lib)
 def _(grad_out, q, k, v, out, lse):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -67,11 +75,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    return attention_backward(grad_out, q, k, v, out, lse)
+    return torch.ops.titan.attention_backward(grad_out, q, k, v, out, lse)
 
 
-attention.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("titan::attention", _backward, setup_context=_setup_context, lib=_lib)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return attention(q, k, v)[0]
+    return torch.ops.titan.attention(q, k, v)[0]

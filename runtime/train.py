@@ -12,9 +12,11 @@ import torch
 
 from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.data import SyntheticTokens, TokenFile
-from titan.runtime.distributed import RankEnv, build_mesh, dp_sum, group_names, init_process_group, pick_device
+from titan.runtime.distributed import (RankEnv, build_mesh, dp_sum, group_names, init_process_group, pick_device,
+                                       shutdown)
 from titan.runtime.graph_format import load_graph
 from titan.runtime.init import materialize
+from titan.runtime.optim import AdamW
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,11 +37,16 @@ class RunConfig:
     """auto, cpu or cuda."""
     quiet: bool = False
     """Print no step lines."""
+    deterministic: bool = False
+    """Use deterministic kernels only (GPU runs are otherwise free to pick faster, racy ones)."""
 
 
-def make_optimizer(params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
-    """AdamW as torchtitan configures it; the eager reference uses the same."""
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# AdamW hyperparameters as torchtitan sets them; the eager reference uses the same.
+ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def make_optimizer(params: list[torch.Tensor], lr: float) -> AdamW:
+    return AdamW(params, lr=lr, **ADAMW)
 
 
 def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
@@ -62,6 +69,11 @@ class GraphProgram:
         if meta["grad_reductions_owed"]:
             raise ArtifactError(f"{artifact.root}: rank {rank} owes gradient reductions outside the graph, "
                                 "which this runtime does not perform; rebuild with this version's titan-build")
+        for kind in ("forward", "backward"):
+            if artifact.manifest["files"].get(entry[kind]) != meta.get(f"{kind}_graph"):
+                raise ArtifactError(f"{artifact.root}: the manifest gives rank {rank} a {kind} graph that is not "
+                                    "the one traced for it (a rank must never run another rank's graph); "
+                                    "rebuild with titan-build")
         groups = group_names(mesh)
         self.forward = load_graph(artifact.read_verified(entry["forward"]), device=device, groups=groups)
         self.backward = load_graph(artifact.read_verified(entry["backward"]), device=device, groups=groups)
@@ -71,6 +83,7 @@ class GraphProgram:
         self.coords = meta["coords"]
         self.device = device
 
+    @torch.no_grad()
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward + backward; sets .grad on each parameter; returns this rank's loss."""
         params = iter(self.params)
@@ -87,7 +100,7 @@ class GraphProgram:
         return loss.detach()
 
 
-def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer,
+def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
                data, *, steps: int, device: torch.device, mesh, tokens_per_step: int,
                log: Callable[[dict], None] | None) -> list[torch.Tensor]:
     """Run `steps` optimizer steps; returns each step's loss summed over data-parallel ranks."""
@@ -130,7 +143,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Ten
     if env.world_size != artifact.world_size:
         raise ArtifactError(f"{artifact_path} was built for world size {artifact.world_size}, but this job has "
                             f"{env.world_size} ranks; launch {artifact.world_size} ranks or rebuild for this layout")
-    device = pick_device(cfg.device, env)
+    device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
     init_process_group(env, device)
     mesh = build_mesh(artifact.mesh, device)
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed)
@@ -144,14 +157,11 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Ten
 
 def rank_main(artifact_path: str, cfg: RunConfig) -> int:
     """Entry point of one rank process; returns the exit code."""
-    import torch.distributed as dist
     try:
         env = RankEnv.from_environ()
         run_rank(artifact_path, cfg, env)
     except ValueError as e:  # ArtifactError and bad options: the user's to fix
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    shutdown()
     return 0

@@ -1,0 +1,44 @@
+"""AdamW for the runtime.
+
+torch.optim imports torch._dynamo on first use, which the runtime must not; and a later CUDA
+graph capture wants the update as plain tensor ops. This is the same arithmetic, op for op, as
+torch.optim.AdamW's single-tensor path (foreach=False), so the two are bitwise equal; the eager
+reference uses torch.optim.AdamW(foreach=False) and tests hold the equality.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class AdamW:
+    def __init__(self, params: list[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        beta1, beta2 = self.betas
+        lr = self.lr
+        step = float(self.steps)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2 ** 0.5
+        for p, exp_avg, exp_avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq):
+            grad = p.grad
+            assert grad is not None, "every parameter gets a gradient from the backward graph"
+            p.mul_(1 - lr * self.weight_decay)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            p.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None

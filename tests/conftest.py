@@ -1,0 +1,48 @@
+"""Shared fixtures: real CLI processes and real debug artifacts, built once per session."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        mark = item.get_closest_marker("gpu")
+        if mark is not None and gpus < mark.kwargs.get("count", 1):
+            item.add_marker(pytest.mark.skip(reason=f"needs {mark.kwargs.get('count', 1)} CUDA GPU(s), found {gpus}"))
+
+
+def titan(command: str, *args, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run a titan command as a user would, in its own process."""
+    return subprocess.run([sys.executable, "-m", f"titan.cli.{command}", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def debug_artifact(tmp_path_factory):
+    """debug_artifact(tp=2, dp_shard=1, ...) -> path of a built debug artifact (built once)."""
+    root = tmp_path_factory.mktemp("artifacts")
+    built: dict[tuple, Path] = {}
+
+    def get(*, tp: int = 1, dp_shard: int = 1, dp_replicate: int = 1, extra: tuple = ()) -> Path:
+        key = (tp, dp_shard, dp_replicate, extra)
+        if key not in built:
+            out = root / f"tp{tp}-dps{dp_shard}-dpr{dp_replicate}{'-'.join(extra)}"
+            r = titan("build", "--flavor", "debug", "--tp", tp, "--dp-shard", dp_shard,
+                      "--dp-replicate", dp_replicate, "--out", out, *extra)
+            assert r.returncode == 0, r.stderr
+            built[key] = out
+        return built[key]
+
+    return get

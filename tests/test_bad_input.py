@@ -1,0 +1,123 @@
+"""Bad input gets one clear line saying how to fix it, a non-zero exit, and loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import titan
+
+
+def _error_line(r) -> str:
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines, "expected an error message"
+    return lines[-1]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--model", "gpt9"), ["unknown model", "llama3"]),
+    (("--flavor", "13B"), ["unknown flavor", "debug", "8B"]),
+    (("--flavor", "debug", "--tp", "3"), ["--tp 3 does not divide", "heads"]),
+    (("--flavor", "debug", "--dp-shard", "3"), ["--dp-shard 3 does not divide"]),
+    (("--flavor", "debug", "--tp", "2", "--seq-len", "127"), ["--seq-len 127", "divisible by --tp 2"]),
+])
+def test_build_rejects_bad_model_or_layout(args, words, tmp_path):
+    out = tmp_path / "out"
+    r = titan("build", *args, "--out", out)
+    assert r.returncode == 2
+    line = _error_line(r)
+    assert line.startswith("error: ")
+    for w in words:
+        assert w in line, line
+    assert not out.exists(), "a failed build must write nothing"
+
+
+def test_build_refuses_to_overwrite_a_non_artifact_directory(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    r = titan("build", "--flavor", "debug", "--out", out)
+    assert r.returncode == 2
+    assert "is not a titan artifact" in _error_line(r)
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.fixture
+def tp2_copy(debug_artifact, tmp_path):
+    dst = tmp_path / "art"
+    shutil.copytree(debug_artifact(tp=2), dst)
+    return dst
+
+
+def test_run_rejects_world_size_mismatch(tp2_copy):
+    env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    r = titan("run", tp2_copy, "--steps", 1, env=env)
+    assert r.returncode == 2
+    line = _error_line(r)
+    assert "built for world size 2" in line and "3 ranks" in line
+
+
+def test_run_rejects_missing_file(tp2_copy):
+    graph = next((tp2_copy / "graphs").iterdir())
+    graph.unlink()
+    r = titan("run", tp2_copy, "--steps", 1)
+    assert r.returncode == 2
+    line = _error_line(r)
+    assert "is missing" in line and "rebuild" in line
+
+
+def test_run_rejects_edited_file(tp2_copy):
+    meta = tp2_copy / "ranks" / "rank1.json"
+    doc = json.loads(meta.read_text())
+    doc["params"][0]["init"]["std"] = 0.5
+    meta.write_text(json.dumps(doc, indent=1))
+    r = titan("run", tp2_copy, "--steps", 1)
+    assert r.returncode == 2
+    assert "does not match its sha256" in _error_line(r)
+
+
+def test_run_rejects_other_torch_version(tp2_copy):
+    manifest = tp2_copy / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["torch_version"] = "2.11.0+cu130"
+    manifest.write_text(json.dumps(doc))
+    r = titan("run", tp2_copy, "--steps", 1)
+    assert r.returncode == 2
+    line = _error_line(r)
+    assert "built with torch 2.11.0" in line and "rebuild" in line
+
+
+def test_run_rejects_batch_shape_that_differs_from_the_build(tp2_copy):
+    r = titan("run", tp2_copy, "--seq-len", 64)
+    assert r.returncode == 2
+    assert "--seq-len 64 differs from the artifact's 128" in _error_line(r)
+
+
+def test_run_rejects_a_directory_that_is_not_an_artifact(tmp_path):
+    r = titan("run", tmp_path)
+    assert r.returncode == 2
+    assert "is not a titan artifact" in _error_line(r)
+
+
+def test_run_on_cuda_without_gpu_says_so(tp2_copy):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    r = titan("run", tp2_copy, "--device", "cuda")
+    assert r.returncode == 2
+    assert "no CUDA GPU" in _error_line(r) and "--device cpu" in _error_line(r)
+
+
+def test_run_refuses_another_ranks_graph(debug_artifact, tmp_path):
+    dst = tmp_path / "art"
+    shutil.copytree(debug_artifact(tp=2), dst)
+    manifest = dst / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["ranks"][0]["forward"], doc["ranks"][1]["forward"] = doc["ranks"][1]["forward"], doc["ranks"][0]["forward"]
+    manifest.write_text(json.dumps(doc))
+    r = titan("run", dst, "--steps", 1)
+    assert r.returncode == 2
+    assert "never run another rank's graph" in _error_line(r)
