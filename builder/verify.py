@@ -22,8 +22,9 @@ def eager_config(manifest: dict) -> LlamaConfig:
     return cfg
 
 
-def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Returns (eager losses, artifact losses), each summed over data-parallel ranks."""
+def verify_rank(artifact_path: str, cfg: RunConfig,
+                env: RankEnv) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.device]:
+    """Returns (eager losses, artifact losses, device); losses are summed over data-parallel ranks."""
     art = open_artifact(artifact_path)
     m = art.manifest
     if env.world_size != art.world_size:
@@ -45,14 +46,14 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> tuple[list[
     program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed)
     graph_losses = train_loop(program.step, make_optimizer(program.params, cfg.lr),
                               make_data(m, cfg, program.coords), **kw)
-    return eager_losses, graph_losses
+    return eager_losses, graph_losses, device
 
 
-def all_ranks_equal(eager: list[torch.Tensor], graph: list[torch.Tensor]) -> bool:
+def all_ranks_equal(eager: list[torch.Tensor], graph: list[torch.Tensor], device: torch.device) -> bool:
     """Bitwise equality of this rank's losses, agreed across ranks."""
     same = all(torch.equal(a, b) for a, b in zip(eager, graph))
     if not dist.is_initialized():
         return same
-    flag = torch.tensor([0 if same else 1])
+    flag = torch.tensor([0 if same else 1], device=device)
     dist.all_reduce(flag)
     return int(flag) == 0

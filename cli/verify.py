@@ -43,8 +43,8 @@ def _rank(artifact: str, cfg, json_path: str | None) -> int:
     from titan.runtime.distributed import RankEnv, shutdown
     try:
         env = RankEnv.from_environ()
-        eager, graph = verify_rank(artifact, cfg, env)
-        equal = all_ranks_equal(eager, graph)
+        eager, graph, device = verify_rank(artifact, cfg, env)
+        equal = all_ranks_equal(eager, graph, device)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
