@@ -1,9 +1,11 @@
-"""titan-build's pipeline: validate -> trace every rank (in parallel processes) -> write artifact."""
+"""titan-build's pipeline: validate -> cache lookup -> trace missing ranks (in parallel
+processes) -> store in the cache -> export the artifact.
+
+Nothing on the cache-hit path imports torch (the tracer is imported only on a miss)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -13,17 +15,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from titan.builder.cache import Cache
+from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
 from titan.builder.layout import Layout, check_layout
-from titan.builder.models.llama3 import DEFAULT_FLAVOR, FLAVORS, LlamaConfig
-from titan.builder.trace import PARTITIONERS, RankJob, RankResult, trace_rank
-from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError
+from titan.builder.models.llama3_config import DEFAULT_FLAVOR, FLAVORS, LlamaConfig
+from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
 
 MODELS = {"llama3": FLAVORS}
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PARTITIONERS = ("min_cut", "default")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,6 +41,10 @@ class BuildSpec:
     """Tokens per sequence."""
     partitioner: str = "min_cut"
     """Forward/backward partitioner."""
+
+    @property
+    def passes(self) -> tuple[str, ...]:
+        return (f"partition:{self.partitioner}",)
 
     @property
     def cfg(self) -> LlamaConfig:
@@ -75,72 +80,50 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
                      partitioner=partitioner)
 
 
-def builder_version() -> str:
-    """Hash of the builder's and runtime's own source: any code change makes a new version."""
-    h = hashlib.sha256()
-    for pkg in (PACKAGE_ROOT, PACKAGE_ROOT.parent / "runtime"):
-        for path in sorted(pkg.rglob("*.py")):
-            h.update(str(path.relative_to(pkg.parent)).encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+@dataclass(kw_only=True)
+class BuildOutcome:
+    manifest: dict
+    """The exported artifact's manifest."""
+    key: str
+    """Cache key of the build."""
+    hit: bool
+    """True when the cache already held the build (nothing was traced)."""
+    reason: str
+    """Why it missed ('' on a hit)."""
+    traced: list[int]
+    """Ranks traced by this call."""
 
 
-def _trace_all(spec: BuildSpec, jobs: int, progress) -> list[RankResult]:
-    rank_jobs = [RankJob(cfg=spec.cfg, layout=spec.layout, rank=r, batch_size=spec.batch_size,
-                         seq_len=spec.seq_len, partitioner=spec.partitioner)
-                 for r in range(spec.layout.world_size)]
-    # One fresh process per rank (max_tasks_per_child=1): see trace.py on why ranks never share one.
+def _trace(spec: BuildSpec, ranks: list[int], jobs: int):
+    """Yield RankResults as ranks finish, each traced in a fresh process (see trace.py)."""
+    from titan.builder.trace import RankJob, trace_rank
+
+    if not ranks:
+        return
     ctx = mp.get_context("spawn")
-    results: dict[int, RankResult] = {}
-    with cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(rank_jobs))), mp_context=ctx,
+    with cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
                                 max_tasks_per_child=1) as pool:
-        futures = {pool.submit(trace_rank, job): job.rank for job in rank_jobs}
+        futures = [pool.submit(trace_rank, RankJob(cfg=spec.cfg, layout=spec.layout, rank=r,
+                                                   batch_size=spec.batch_size, seq_len=spec.seq_len,
+                                                   partitioner=spec.partitioner)) for r in ranks]
         for fut in cf.as_completed(futures):
-            res = fut.result()
-            results[res.rank] = res
-            progress(res)
-    return [results[r] for r in range(len(rank_jobs))]
+            yield fut.result()
 
 
-def _write_file(root: Path, rel: str, data: bytes, files: dict[str, str]) -> None:
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if rel not in files:
-        path.write_bytes(data)
-        files[rel] = hashlib.sha256(data).hexdigest()
+def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:
+    fw, bw = cache.put_blob(res.forward), cache.put_blob(res.backward)
+    # The rank's metadata names its graphs, so a manifest pointing a rank at another rank's
+    # graphs is refused at load.
+    meta = dict(res.meta, forward_graph=fw, backward_graph=bw)
+    meta_sha = cache.put_blob(json.dumps(meta, indent=1).encode())
+    cache.put_rank(rank_key, {"factors": factors, "rank": res.rank, "forward": fw, "backward": bw,
+                              "meta": meta_sha, "timings": res.timings})
 
 
-def write_artifact(spec: BuildSpec, results: list[RankResult], out: Path) -> dict:
-    """Write the artifact to a temporary sibling of `out`, then move it into place."""
-    out = out.resolve()
-    if out.exists() and not (out / MANIFEST).is_file():
-        raise ArtifactError(f"{out} exists and is not a titan artifact; choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        return _fill_and_place(spec, results, tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fill_and_place(spec: BuildSpec, results: list[RankResult], tmp: Path, out: Path) -> dict:
-    files: dict[str, str] = {}
-    ranks = []
-    for res in results:
-        fw = f"graphs/{hashlib.sha256(res.forward).hexdigest()}.tgraph"
-        bw = f"graphs/{hashlib.sha256(res.backward).hexdigest()}.tgraph"
-        _write_file(tmp, fw, res.forward, files)
-        _write_file(tmp, bw, res.backward, files)
-        meta_rel = f"ranks/rank{res.rank}.json"
-        # The rank's metadata names its graphs, so a manifest pointing a rank at another rank's
-        # graphs is refused at load.
-        meta = dict(res.meta, forward_graph=files[fw], backward_graph=files[bw])
-        _write_file(tmp, meta_rel, json.dumps(meta, indent=1).encode(), files)
-        ranks.append({"rank": res.rank, "meta": meta_rel, "forward": fw, "backward": bw})
-    manifest = {
+def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
+    return {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
-        "name": out.name,
         "model": spec.model,
         "flavor": spec.flavor,
         "model_config": spec.cfg.as_dict(),
@@ -149,25 +132,87 @@ def _fill_and_place(spec: BuildSpec, results: list[RankResult], tmp: Path, out: 
         "world_size": spec.layout.world_size,
         "batch_size": spec.batch_size,
         "seq_len": spec.seq_len,
-        "dtype": "float32",
-        "torch_version": torch.__version__,
-        "builder_version": builder_version(),
-        "passes": [f"partition:{spec.partitioner}"],
+        "dtype": factors["dtype"],
+        "torch_version": installed_torch_version(),
+        "builder_version": factors["builder version"],
+        "passes": list(spec.passes),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "ranks": ranks,
-        "files": files,
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-        os.replace(out, old / "a")
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-    return manifest
 
 
-def build(spec: BuildSpec, out: Path, *, jobs: int, progress=lambda res: None) -> dict:
-    results = _trace_all(spec, jobs, progress)
-    return write_artifact(spec, results, out)
+def nearest_entry(cache: Cache, factors: dict) -> tuple[str, list[str]] | None:
+    """The cached build of the same model whose factors differ least, and how they differ."""
+    best = None
+    for info in cache.entries():
+        other = info.entry.get("factors", {})
+        if other.get("model") != factors["model"]:
+            continue
+        diff = describe_differences(other, factors)
+        if best is None or len(diff) < len(best[1]):
+            best = (info.key, diff)
+    return best
+
+
+def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambda res: None,
+          on_wait=None, on_miss=lambda reason: None) -> BuildOutcome:
+    """Build through the cache: a hit traces nothing; a miss traces only the ranks the cache
+    lacks (a killed build's finished ranks are reused). One build per key at a time."""
+    factors = build_factors(spec)
+    key = digest(factors)
+    lock = cache.lock(key, on_wait=on_wait)
+    try:
+        entry, reason = cache.get_entry(key)
+        traced: list[int] = []
+        if entry is None:
+            on_miss(reason)
+            ranks = range(spec.layout.world_size)
+            rank_keys = [digest(rank_factors(factors, spec.layout.coordinates(r))) for r in ranks]
+            todo = [r for r in ranks if cache.get_rank(rank_keys[r]) is None]
+            for res in _trace(spec, todo, jobs):
+                _store_rank(cache, rank_keys[res.rank], rank_factors(factors, spec.layout.coordinates(res.rank)), res)
+                traced.append(res.rank)
+                progress(res)
+            entry = {"key": key, "factors": factors, "ranks": rank_keys,
+                     "manifest": _manifest_fields(spec, factors), "created_ts": time.time()}
+            cache.put_entry(key, entry)
+        cache.touch(key)
+        manifest = export_artifact(cache, entry, out)
+    finally:
+        lock.release()
+    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason, traced=sorted(traced))
+
+
+def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
+    """Copy an entry's blobs into a self-contained artifact directory (written beside `out`,
+    then moved into place), so that it runs on a machine without the cache."""
+    out = out.resolve()
+    if out.exists() and not (out / MANIFEST).is_file():
+        raise ArtifactError(f"{out} exists and is not a titan artifact; choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        files: dict[str, str] = {}
+        ranks = []
+        for rank, rank_key in enumerate(entry["ranks"]):
+            record = json.loads((cache.root / "ranks" / f"{rank_key}.json").read_text())
+            fw, bw = f"graphs/{record['forward']}.tgraph", f"graphs/{record['backward']}.tgraph"
+            meta = f"ranks/rank{rank}.json"
+            for rel, sha in ((fw, record["forward"]), (bw, record["backward"]), (meta, record["meta"])):
+                if rel not in files:
+                    path = tmp / rel
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(cache.read_blob(sha))
+                    files[rel] = sha
+            ranks.append({"rank": rank, "meta": meta, "forward": fw, "backward": bw})
+        manifest = dict(entry["manifest"], name=out.name, cache_key=entry["key"], ranks=ranks, files=files)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.replace(out, old / "previous")
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+        return manifest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from titan.builder.layout import Layout
-from titan.builder.models.llama3 import Llama3, LlamaConfig, init_specs
+from titan.builder.models.llama3 import Llama3, init_specs
+from titan.builder.models.llama3_config import LlamaConfig
 from titan.builder.parallelize import parallelize
 from titan.runtime.init import materialize
 

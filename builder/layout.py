@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan.builder.models.llama3 import LlamaConfig
+from titan.builder.models.llama3_config import LlamaConfig
 
 # Mesh dimension order, outermost first (as torchtitan orders them).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")

@@ -21,10 +21,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.builder.graph_writer import encode_graph
 from titan.builder.layout import Layout
-from titan.builder.models.llama3 import Llama3, LlamaConfig, init_specs
+from titan.builder.models.llama3 import Llama3, init_specs
+from titan.builder.models.llama3_config import LlamaConfig
 from titan.builder.parallelize import build_mesh, parallelize
 
-PARTITIONERS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
+PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,7 +41,7 @@ class RankJob:
     seq_len: int
     """Tokens per sequence."""
     partitioner: str = "min_cut"
-    """Forward/backward partitioner name (see PARTITIONERS)."""
+    """Forward/backward partitioner name (see PARTITION_FNS)."""
 
 
 @dataclass(kw_only=True)
@@ -106,7 +107,7 @@ def trace_rank(job: RankJob) -> RankResult:
             joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
             # The partitioners rewrite the joint graph in place: give them a copy.
             joint_copy = copy_graph_module(gm)
-            fw, bw = PARTITIONERS[job.partitioner](joint_copy, None, num_fwd_outputs=1)
+            fw, bw = PARTITION_FNS[job.partitioner](joint_copy, None, num_fwd_outputs=1)
             t_partition = time.perf_counter()
         # Encode after the export context (and its fake mode) has closed: constants are real.
         groups = _group_names(mesh)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from titan.builder.eager import EagerProgram
 from titan.builder.layout import Layout
-from titan.builder.models.llama3 import FLAVORS, LlamaConfig
+from titan.builder.models.llama3_config import FLAVORS, LlamaConfig
 from titan.runtime.artifact import open_artifact
 from titan.runtime.distributed import RankEnv, build_mesh, init_process_group, pick_device
 from titan.runtime.train import ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, train_loop

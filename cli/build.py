@@ -22,10 +22,16 @@ from titan.cli.errors import user_errors
 @click.option("--partitioner", default="min_cut", show_default=True, help="Forward/backward partitioner: min_cut or default.")
 @click.option("--out", default=None, type=click.Path(path_type=Path), help="Output directory (default: artifacts/<name>).")
 @click.option("--jobs", default=None, type=int, help="Ranks traced in parallel (default: CPU count).")
+@click.option("--cache-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
+@click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @user_errors
-def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, partitioner, out, jobs):
-    """Build a training artifact; needs no GPU."""
-    from titan.builder.build import build, make_spec
+def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, partitioner, out, jobs, cache_dir,
+         explain):
+    """Build a training artifact; needs no GPU. Reuses the shared build cache."""
+    from titan.builder.build import build, make_spec, nearest_entry
+    from titan.builder.cache import Cache
+    from titan.builder.cache_key import build_factors
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
                      batch_size=batch_size, seq_len=seq_len, partitioner=partitioner)
@@ -41,7 +47,23 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, partiti
         click.echo(f"  rank {res.rank}: traced in {t['export_s']:.1f} s, partitioned in {t['partition_s']:.1f} s "
                    f"({res.meta['saved_activations']} saved activations)")
 
-    manifest = build(spec, out, jobs=jobs, progress=progress)
+    cache = Cache(cache_dir)
+
+    def on_miss(why: str) -> None:
+        nearest = nearest_entry(cache, build_factors(spec))
+        if nearest is None:
+            click.echo(f"cache: miss ({why}; no cached build of {model} yet)")
+            return
+        diff = nearest[1] or ["nothing (the entry is damaged)"]
+        shown = diff if explain else diff[:3]
+        more = "" if explain or len(diff) <= 3 else f", +{len(diff) - 3} more (--explain)"
+        click.echo(f"cache: miss ({why}; nearest entry {nearest[0][:12]} differs in: {', '.join(shown)}{more})")
+
+    outcome = build(spec, out, cache=cache, jobs=jobs, progress=progress, on_miss=on_miss,
+                    on_wait=lambda: click.echo("waiting for another titan-build of the same key"))
+    if outcome.hit:
+        click.echo(f"cache: hit ({outcome.key[:12]})")
+    manifest = outcome.manifest
     size = sum((out / rel).stat().st_size for rel in manifest["files"])
     graphs = sum(1 for rel in manifest["files"] if rel.startswith("graphs/"))
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {graphs} distinct graphs for {world} ranks) "

@@ -42,7 +42,8 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics, device=device,
                     deterministic=deterministic)
     if "RANK" in os.environ:
-        sys.exit(rank_main(artifact, cfg))
+        from titan.runtime.distributed import exit_rank
+        exit_rank(rank_main(artifact, cfg))
     art = open_artifact(artifact)
     check_shape_flags(art.manifest, batch_size, seq_len)
     art.verify_all()

@@ -31,7 +31,8 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, jso
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
                     deterministic=deterministic)
     if "RANK" in os.environ:
-        sys.exit(_rank(artifact, cfg, json_path))
+        from titan.runtime.distributed import exit_rank
+        exit_rank(_rank(artifact, cfg, json_path))
     art = open_artifact(artifact)
     art.verify_all()
     from titan.runtime.launch import spawn_local

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 ARTIFACT_FORMAT = "titan-artifact"
 ARTIFACT_VERSION = 1
@@ -17,6 +16,11 @@ MANIFEST = "manifest.json"
 
 class ArtifactError(ValueError):
     """The artifact is missing, corrupt, or does not fit this process; the message says how to fix it."""
+
+
+def installed_torch_version() -> str:
+    """torch's version without importing torch (3 s here): the cache-hit path needs only this."""
+    return importlib.metadata.version("torch")
 
 
 def torch_release(version: str) -> str:
@@ -102,7 +106,7 @@ def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artif
         raise ArtifactError(f"{mpath}: {len(manifest['ranks'])} rank entries for world size "
                             f"{manifest['world_size']}; rebuild with titan-build")
     if check_torch:
-        built, here = torch_release(manifest["torch_version"]), torch_release(torch.__version__)
+        built, here = torch_release(manifest["torch_version"]), torch_release(installed_torch_version())
         if built != here:
             raise ArtifactError(f"{root} was built with torch {built} but this is torch {here}; "
                                 f"rebuild it here with titan-build (graphs are not portable across torch versions)")

@@ -92,3 +92,14 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> None:
+    """End a rank process without interpreter finalization. Gloo's worker threads can still be
+    alive when Python tears down (pytorch/pytorch#179291 discusses it), which aborts the process
+    ("terminate called without an active exception") after all work has finished; every
+    output this process wrote is flushed first."""
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -126,7 +126,7 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
 def _step_logger(cfg: RunConfig, is_rank0: bool, total: int):
     if not is_rank0:
         return None
-    metrics = open(cfg.metrics, "w") if cfg.metrics else None
+    metrics = open(cfg.metrics, "w", buffering=1) if cfg.metrics else None
 
     def log(rec: dict) -> None:
         if not cfg.quiet:

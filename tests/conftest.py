@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # Every titan process the tests start shares one throwaway build cache, never the user's.
+    os.environ["TITAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="titan-test-cache-")
 
 
 def pytest_collection_modifyitems(config, items):

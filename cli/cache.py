@@ -1,0 +1,133 @@
+"""titan-cache: list, inspect, verify and garbage-collect the shared build cache."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from titan.cli.errors import user_errors
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--max-size {text!r}: use a number with an optional unit, e.g. 500M or 20G")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
+def parse_age(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
+    if not m:
+        raise ValueError(f"--older-than {text!r}: use a number and a unit s, m, h, d or w, e.g. 7d")
+    return float(m.group(1)) * _AGE_UNITS[m.group(2)]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _ago(ts: float) -> str:
+    s = max(0.0, time.time() - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--cache-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
+@click.pass_context
+def main(ctx, cache_dir):
+    """Manage the content-addressed build cache."""
+    ctx.obj = cache_dir
+
+
+def _cache(ctx):
+    from titan.builder.cache import Cache
+    return Cache(ctx.obj)
+
+
+@main.command("ls")
+@click.pass_context
+@user_errors
+def ls_cmd(ctx):
+    """Entries: key, model and layout, ranks, distinct blobs, size, last use."""
+    cache = _cache(ctx)
+    infos = sorted(cache.entries(), key=lambda i: -i.last_used)
+    if not infos:
+        click.echo(f"{cache.root}: empty")
+        return
+    click.echo(f"{'key':<14}{'model':<16}{'layout':<22}{'batch':>10}{'ranks':>7}{'blobs':>7}{'size':>11}  last used")
+    for i in infos:
+        f = i.entry["factors"]
+        mesh = "-".join(f"{n.replace('_', '-')}{s}" for n, s in f["mesh"]) or "single"
+        click.echo(f"{i.key[:12]:<14}{f['model'] + ' ' + f['flavor']:<16}{mesh:<22}"
+                   f"{str(f['batch size']) + 'x' + str(f['seq len']):>10}{len(i.entry['ranks']):>7}"
+                   f"{len(cache.entry_blobs(i.entry)):>7}{_human(i.size):>11}  {_ago(i.last_used)}")
+    click.echo(f"total {_human(cache.size())} in {cache.root}")
+
+
+@main.command("info")
+@click.argument("key")
+@click.pass_context
+@user_errors
+def info_cmd(ctx, key):
+    """Factors and per-rank blobs of one entry (KEY may be a unique prefix)."""
+    cache = _cache(ctx)
+    info = cache.info(cache.resolve(key))
+    click.echo(f"key {info.key}\nsize {_human(info.size)}, last used {_ago(info.last_used)}\nfactors:")
+    for name, value in info.entry["factors"].items():
+        click.echo(f"  {name}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    click.echo("ranks:")
+    for rank, rank_key in enumerate(info.entry["ranks"]):
+        record = json.loads((cache.root / "ranks" / f"{rank_key}.json").read_text())
+        click.echo(f"  {rank}: forward {record['forward'][:12]} backward {record['backward'][:12]} "
+                   f"meta {record['meta'][:12]}")
+
+
+@main.command("verify")
+@click.option("--remove", is_flag=True, help="Delete corrupt blobs and the entries that use them.")
+@click.pass_context
+@user_errors
+def verify_cmd(ctx, remove):
+    """Re-hash every blob; exit 1 if any is corrupt."""
+    checked, bad = _cache(ctx).verify(remove=remove)
+    for sha in bad:
+        click.echo(f"corrupt: {sha}{' (removed)' if remove else ''}")
+    click.echo(f"verified {checked} blobs: {len(bad)} corrupt")
+    sys.exit(1 if bad else 0)
+
+
+@main.command("gc")
+@click.option("--max-size", default=None, help="Shrink the cache to at most this size (e.g. 20G), least recently used first.")
+@click.option("--older-than", default=None, help="Remove entries unused for longer than this (e.g. 7d, 12h).")
+@click.pass_context
+@user_errors
+def gc_cmd(ctx, max_size, older_than):
+    """Remove entries by size and/or age; entries being built are never removed."""
+    if max_size is None and older_than is None:
+        raise ValueError("give --max-size SIZE and/or --older-than AGE")
+    result = _cache(ctx).gc(max_size=parse_size(max_size) if max_size else None,
+                            older_than_s=parse_age(older_than) if older_than else None)
+    for key in result["removed"]:
+        click.echo(f"removed {key[:12]}")
+    for key in result["skipped_locked"]:
+        click.echo(f"kept {key[:12]} (a build holds it)")
+    click.echo(f"cache size now {_human(result['size'])}")
+
+
+if __name__ == "__main__":
+    main()
