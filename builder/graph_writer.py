@@ -68,11 +68,8 @@ def _group_arg_names(target: Any) -> frozenset[str]:
 
 
 def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        return str(path).removeprefix("L['self'].").replace("L['self']", "")
-    return ""
+    custom = node.meta.get("custom") or {}
+    return str(custom.get("module", ""))
 
 
 def encode_graph(gm: fx.GraphModule, *, group_names: dict[str, str]) -> bytes:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -75,6 +76,36 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+@contextlib.contextmanager
+def module_provenance(model: torch.nn.Module):
+    """Record on every traced node (meta['custom']['module']) the module that produced it.
+
+    Hooks are prepended so that a parallel style's input redistribution (its own pre-hook) is
+    attributed to the module it serves. Backward nodes inherit their forward node's record.
+    """
+    open_annotations: list = []
+
+    def enter(_mod, _args, _path):
+        cm = fx_traceback.annotate({"module": _path})
+        cm.__enter__()
+        open_annotations.append(cm)
+
+    def leave(_mod, _args, _out):
+        open_annotations.pop().__exit__(None, None, None)
+
+    handles = []
+    for path, mod in model.named_modules():
+        if path:
+            handles.append(mod.register_forward_pre_hook(lambda m, a, _p=path: enter(m, a, _p), prepend=True))
+            handles.append(mod.register_forward_hook(leave))
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _group_names(mesh) -> dict[str, str]:
     if mesh is None:
         return {}
@@ -99,8 +130,8 @@ def trace_rank(job: RankJob) -> RankResult:
             tokens = torch.empty(job.batch_size, job.seq_len, dtype=torch.long)
             labels = torch.empty(job.batch_size, job.seq_len, dtype=torch.long)
         with contextlib.ExitStack() as stack:
-            joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels),
-                                                      _record_nn_module_stack=True)
+            stack.enter_context(module_provenance(model))
+            joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels))
             t_export = time.perf_counter()
             gm = joint.graph_module
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

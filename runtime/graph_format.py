@@ -22,21 +22,16 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable
 
-import msgpack
 import safetensors.torch
 import torch
 import torch.fx as fx
 
-FORMAT = "titan-graph"
-VERSION = 1
+from titan.runtime.graph_doc import FORMAT, VERSION, GraphFormatError, read_doc  # noqa: F401
+
 ALLOWED_NAMESPACES = ("aten", "prims", "_c10d_functional", "titan")
 # aten ops that touch the file system or host memory by address are never loaded.
 DENIED_OPS = frozenset({"aten.from_file", "aten._nested_tensor_from_mask"})
 BUILTIN_TARGETS: dict[str, Callable] = {"getitem": operator.getitem}
-
-
-class GraphFormatError(ValueError):
-    """A graph blob is malformed or refers to something outside the allow-list."""
 
 
 def target_name(target: Any) -> str:
@@ -122,14 +117,7 @@ class _DecodeContext:
 def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> fx.GraphModule:
     """Rebuild a GraphModule from a blob. `groups` maps mesh dimension names to the real
     process-group names of this process."""
-    try:
-        doc = msgpack.unpackb(blob, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
-        raise GraphFormatError(f"graph blob is not valid msgpack: {e}") from e
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise GraphFormatError("blob is not a titan graph")
-    if doc.get("version") != VERSION:
-        raise GraphFormatError(f"graph format version {doc.get('version')!r}; this runtime reads version {VERSION}")
+    doc = read_doc(blob)
     constants: dict[str, torch.Tensor] = {}
     if doc.get("constants") is not None:
         if not isinstance(doc["constants"], bytes):
@@ -142,9 +130,7 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> 
     graph = fx.Graph()
     root = torch.nn.Module()
     nodes: list[fx.Node] = []
-    records = doc.get("nodes")
-    if not isinstance(records, list) or not records:
-        raise GraphFormatError("graph has no nodes")
+    records = doc["nodes"]
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             raise GraphFormatError(f"node {i} is not a map")
@@ -180,11 +166,3 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> 
     if nodes[-1].op != "output":
         raise GraphFormatError("graph has no output node")
     return fx.GraphModule(root, graph)
-
-
-def read_header(blob: bytes) -> dict:
-    """The blob's document (nodes included), for tools that inspect graphs."""
-    doc = msgpack.unpackb(blob, raw=False, strict_map_key=True)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise GraphFormatError("blob is not a titan graph")
-    return doc

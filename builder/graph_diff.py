@@ -1,0 +1,217 @@
+"""Semantic differences between two ranks' graphs (of one artifact or of two builds).
+
+Graphs are aligned by structure: the sequence of (op kind, target, module path) is matched
+with a longest-common-subsequence alignment, so an inserted or removed node does not shift
+every later comparison. Paired nodes are then compared argument by argument, with node
+references followed through the alignment. Reads graph documents only (no torch import).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+
+from titan.runtime.artifact import Artifact
+from titan.runtime.graph_doc import read_doc
+
+CATEGORIES = ("manifest", "rank metadata", "op targets", "inserted", "removed", "constants", "shapes",
+              "collectives", "wiring")
+_C10D = "_c10d_functional."
+# Manifest fields that say nothing about what was built.
+_MANIFEST_IGNORED = {"files", "ranks", "created", "name", "cache_key"}
+_META_IGNORED = {"forward_graph", "backward_graph"}
+
+
+@dataclass
+class Difference:
+    where: str
+    """'manifest', 'rank', 'forward' or 'backward'."""
+    category: str
+    """One of CATEGORIES."""
+    detail: str
+    """What differs, readable on one line."""
+    node: str = ""
+    """Node name (and index) in the first graph, or the second for inserted nodes."""
+    module: str = ""
+    """Module path that produced the node, if recorded."""
+
+    def line(self) -> str:
+        at = f" {self.node}" if self.node else ""
+        mod = f" [{self.module}]" if self.module else ""
+        return f"{self.where}{at}{mod}: {self.detail}"
+
+
+@dataclass
+class DiffReport:
+    left: str
+    right: str
+    differences: list[Difference] = field(default_factory=list)
+    same_blobs: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def identical(self) -> bool:
+        return not self.differences
+
+    def summary(self) -> list[str]:
+        lines = []
+        for where in ("manifest", "rank", "forward", "backward"):
+            here = [d for d in self.differences if d.where == where]
+            if where in self.same_blobs and self.same_blobs[where]:
+                lines.append(f"{where}: identical (same blob)")
+                continue
+            if not here:
+                if where in ("forward", "backward") and where not in self.same_blobs:
+                    continue
+                lines.append(f"{where}: identical")
+                continue
+            counts = {c: sum(d.category == c for d in here) for c in CATEGORIES}
+            parts = [f"{n} {c}" for c, n in counts.items() if n]
+            modules = sorted({d.module for d in here if d.module})
+            mod = f" in {', '.join(modules[:8])}{' ...' if len(modules) > 8 else ''}" if modules else ""
+            lines.append(f"{where}: {', '.join(parts)}{mod}")
+        return lines
+
+    def as_json(self) -> dict:
+        return {"left": self.left, "right": self.right, "identical": self.identical,
+                "summary": self.summary(), "same_blobs": self.same_blobs,
+                "differences": [d.__dict__ for d in self.differences]}
+
+
+def _short(v) -> str:
+    text = json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _dict_diff(a: dict, b: dict, where: str, category: str, prefix: str = "") -> list[Difference]:
+    out = []
+    for key in sorted(set(a) | set(b), key=str):
+        x, y = a.get(key, "<absent>"), b.get(key, "<absent>")
+        if x == y:
+            continue
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _dict_diff(x, y, where, category, f"{prefix}{key}.")
+        else:
+            out.append(Difference(where, category, f"{prefix}{key}: {_short(x)} -> {_short(y)}"))
+    return out
+
+
+def _meta_diff(a: dict, b: dict) -> list[Difference]:
+    a = {k: v for k, v in a.items() if k not in _META_IGNORED}
+    b = {k: v for k, v in b.items() if k not in _META_IGNORED}
+    pa = {p["fqn"]: p for p in a.pop("params", [])}
+    pb = {p["fqn"]: p for p in b.pop("params", [])}
+    out = _dict_diff(a, b, "rank", "rank metadata")
+    for fqn in sorted(set(pa) | set(pb)):
+        x, y = pa.get(fqn), pb.get(fqn)
+        if x is None or y is None:
+            out.append(Difference("rank", "rank metadata", f"param {fqn} {'added' if x is None else 'removed'}"))
+        elif x != y:
+            out += _dict_diff(x, y, "rank", "rank metadata", f"params[{fqn}].")
+    return out
+
+
+def _sig(n: dict) -> tuple:
+    return (n.get("op"), n.get("target"), n.get("module", ""))
+
+
+def _is_collective(n: dict) -> bool:
+    t = n.get("target") or ""
+    return t.startswith(_C10D) and not t.startswith(_C10D + "wait_tensor")
+
+
+def _describe(n: dict) -> str:
+    kind = n.get("target") or n.get("op")
+    val = n.get("val")
+    if isinstance(val, dict) and "shape" in val:
+        kind += f" -> {val['dtype']}{val['shape']}"
+    if _is_collective(n):
+        groups = [a["$group"] for a in n.get("args", []) if isinstance(a, dict) and "$group" in a]
+        kind += f" on {','.join(groups)}"
+    return kind
+
+
+class _GraphDiff:
+    def __init__(self, where: str, a: list[dict], b: list[dict]):
+        self.where, self.a, self.b = where, a, b
+        self.map: dict[int, int] = {}
+        self.out: list[Difference] = []
+
+    def _node(self, i: int, nodes: list[dict]) -> str:
+        return f"%{i} {nodes[i].get('name', '')}"
+
+    def _add(self, category: str, detail: str, i: int, nodes: list[dict]) -> None:
+        self.out.append(Difference(self.where, category, detail, self._node(i, nodes), nodes[i].get("module", "")))
+
+    def run(self) -> list[Difference]:
+        sm = difflib.SequenceMatcher(a=[_sig(n) for n in self.a], b=[_sig(n) for n in self.b], autojunk=False)
+        pairs = []
+        for tag, i1, i2, j1, j2 in sm.get_opcodes():
+            if tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1):
+                for k in range(i2 - i1):
+                    self.map[i1 + k] = j1 + k
+                    pairs.append((i1 + k, j1 + k))
+                continue
+            for i in range(i1, i2):
+                self._add("collectives" if _is_collective(self.a[i]) else "removed",
+                          f"removed {_describe(self.a[i])}", i, self.a)
+            for j in range(j1, j2):
+                self._add("collectives" if _is_collective(self.b[j]) else "inserted",
+                          f"inserted {_describe(self.b[j])}", j, self.b)
+        for i, j in pairs:
+            self._compare(i, j)
+        return self.out
+
+    def _compare(self, i: int, j: int) -> None:
+        x, y = self.a[i], self.b[j]
+        if x.get("target") != y.get("target") or x.get("op") != y.get("op"):
+            category = "collectives" if _is_collective(x) or _is_collective(y) else "op targets"
+            self._add(category, f"{x.get('target') or x.get('op')} -> {y.get('target') or y.get('op')}", i, self.a)
+        if x.get("val") != y.get("val"):
+            self._add("shapes", f"{_short(x.get('val'))} -> {_short(y.get('val'))}", i, self.a)
+        self._args(x.get("args", []), y.get("args", []), i, "arg ")
+        kx, ky = x.get("kwargs") or {}, y.get("kwargs") or {}
+        for k in sorted(set(kx) | set(ky)):
+            self._args(kx.get(k), ky.get(k), i, f"{k}=")
+
+    def _args(self, u, v, i: int, path: str) -> None:
+        if isinstance(u, list) and isinstance(v, list) and len(u) == len(v):
+            for k, (p, q) in enumerate(zip(u, v)):
+                self._args(p, q, i, f"{path}{k}" if path.endswith(" ") else f"{path}[{k}]")
+            return
+        if isinstance(u, dict) and isinstance(v, dict) and len(u) == len(v) == 1 and u.keys() == v.keys():
+            (key,) = u.keys()
+            if key == "$n":
+                if self.map.get(u[key]) != v[key]:
+                    self._add("wiring", f"{path}: %{u[key]} -> %{v[key]} (inputs differ)", i, self.a)
+                return
+            if key == "$group":
+                if u != v:
+                    self._add("collectives", f"regrouped {path}: {u[key]} -> {v[key]}", i, self.a)
+                return
+            self._args(u[key], v[key], i, path)
+            return
+        if u != v:
+            self._add("constants", f"{path}: {_short(u)} -> {_short(v)}", i, self.a)
+
+
+def diff_ranks(left: Artifact, left_rank: int, right: Artifact, right_rank: int, *,
+               graphs: tuple[str, ...] = ("forward", "backward")) -> DiffReport:
+    report = DiffReport(left=f"{left.root} rank {left_rank}", right=f"{right.root} rank {right_rank}")
+    if left.root != right.root:
+        ma = {k: v for k, v in left.manifest.items() if k not in _MANIFEST_IGNORED}
+        mb = {k: v for k, v in right.manifest.items() if k not in _MANIFEST_IGNORED}
+        report.differences += _dict_diff(ma, mb, "manifest", "manifest")
+    report.differences += _meta_diff(left.rank_meta(left_rank), right.rank_meta(right_rank))
+    ea, eb = left.rank_entry(left_rank), right.rank_entry(right_rank)
+    for kind in graphs:
+        ha, hb = left.manifest["files"][ea[kind]], right.manifest["files"][eb[kind]]
+        report.same_blobs[kind] = ha == hb
+        if ha == hb:
+            continue  # same content hash: nothing to align
+        a = read_doc(left.read_verified(ea[kind]))
+        b = read_doc(right.read_verified(eb[kind]))
+        report.differences += _GraphDiff(kind, a["nodes"], b["nodes"]).run()
+        if a.get("constants") != b.get("constants"):
+            report.differences.append(Difference(kind, "constants", "tensor constants differ"))
+    return report

@@ -1,0 +1,81 @@
+"""Readable listing of one rank's graph: nodes, ops, shapes, module paths, collectives marked,
+inputs and outputs named from the rank metadata. Reads graph documents only (no torch import)."""
+
+from __future__ import annotations
+
+from titan.runtime.artifact import Artifact
+from titan.runtime.graph_doc import read_doc
+
+_C10D = "_c10d_functional."
+
+
+def _fmt_val(val) -> str:
+    if isinstance(val, dict) and "shape" in val:
+        dims = ",".join(map(str, val["shape"]))
+        return f"{val['dtype']}[{dims}]"
+    if isinstance(val, dict) and "int" in val:
+        return f"int={val['int']}"
+    if isinstance(val, list):
+        return "(" + ", ".join(_fmt_val(v) for v in val) + ")"
+    return "-"
+
+
+def _fmt_arg(a) -> str:
+    if isinstance(a, dict) and len(a) == 1:
+        (k, v), = a.items()
+        if k == "$n":
+            return f"%{v}"
+        if k == "$t":
+            return "(" + ", ".join(_fmt_arg(x) for x in v) + ")"
+        if k == "$group":
+            return f"group={v}"
+        if k == "$dtype":
+            return v
+        if k == "$device":
+            return "device"
+        return str(v)
+    if isinstance(a, list):
+        return "[" + ", ".join(_fmt_arg(x) for x in a) + "]"
+    return repr(a)
+
+
+def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
+    entry, meta = art.rank_entry(rank), art.rank_meta(rank)
+    doc = read_doc(art.read_verified(entry[kind]))
+    nodes = doc["nodes"]
+    sha = art.manifest["files"][entry[kind]]
+    n_saved = meta["saved_activations"]
+    if kind == "forward":
+        names = [inp.get("fqn", inp["kind"]) for inp in meta["forward_inputs"]]
+    else:
+        names = [f"saved activation {i}" for i in range(n_saved)] + ["tangent of the loss"]
+    lines = [f"{kind} graph of rank {rank} {meta['coords']}: {len(nodes)} nodes, blob {sha[:12]}"]
+    collectives = 0
+    placeholder = 0
+    for i, n in enumerate(nodes):
+        op = n.get("op")
+        module = f"  [{n['module']}]" if n.get("module") else ""
+        if op == "placeholder":
+            label = names[placeholder] if placeholder < len(names) else "?"
+            placeholder += 1
+            lines.append(f"  %{i:<5} input  {n['name']:<28} {_fmt_val(n.get('val')):<24} {label}")
+        elif op == "output":
+            outs = n["args"][0]
+            items = outs.get("$t", outs) if isinstance(outs, dict) else outs
+            lines.append(f"  %{i:<5} output {len(items)} values")
+            if kind == "forward":
+                lines.append(f"         loss = {_fmt_arg(items[0])}; saved for backward ({n_saved}): "
+                             + ", ".join(_fmt_arg(x) for x in items[1:]))
+            else:
+                grads = [f"{fqn}={_fmt_arg(x)}" for fqn, x in zip(meta["backward_outputs"], items) if fqn]
+                lines.append("         gradients: " + ", ".join(grads))
+        else:
+            target = n.get("target", "")
+            mark = "**" if target.startswith(_C10D) and "wait_tensor" not in target else "  "
+            collectives += mark == "**"
+            args = ", ".join(_fmt_arg(a) for a in n.get("args", []))
+            kwargs = ", ".join(f"{k}={_fmt_arg(v)}" for k, v in (n.get("kwargs") or {}).items())
+            call = f"{target}({args}{', ' if args and kwargs else ''}{kwargs})"
+            lines.append(f"{mark}%{i:<5} {_fmt_val(n.get('val')):<24} = {call}{module}")
+    lines.append(f"{collectives} collectives (marked **)")
+    return lines

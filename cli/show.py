@@ -1,0 +1,28 @@
+"""titan-show: one rank's graph as readable text."""
+
+from __future__ import annotations
+
+import click
+
+from titan.cli.errors import user_errors
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--rank", type=int, default=0, show_default=True)
+@click.option("--graph", default="all", show_default=True, type=click.Choice(["fw", "bw", "all"]))
+@user_errors
+def main(artifact, rank, graph):
+    """List the forward and/or backward graph of one rank."""
+    from titan.builder.graph_listing import list_graph
+    from titan.runtime.artifact import open_artifact
+
+    art = open_artifact(artifact, check_torch=False)
+    kinds = {"fw": ["forward"], "bw": ["backward"], "all": ["forward", "backward"]}[graph]
+    for kind in kinds:
+        for line in list_graph(art, rank, kind):
+            click.echo(line)
+
+
+if __name__ == "__main__":
+    main()

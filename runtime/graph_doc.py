@@ -1,0 +1,27 @@
+"""The raw document of a titan graph blob, read without torch (for inspection tools)."""
+
+from __future__ import annotations
+
+import msgpack
+
+FORMAT = "titan-graph"
+VERSION = 1
+
+
+class GraphFormatError(ValueError):
+    """A graph blob is malformed or refers to something outside the allow-list."""
+
+
+def read_doc(blob: bytes) -> dict:
+    """The blob's msgpack document, checked for format and version (nodes are not validated)."""
+    try:
+        doc = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise GraphFormatError(f"graph blob is not valid msgpack: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise GraphFormatError("blob is not a titan graph")
+    if doc.get("version") != VERSION:
+        raise GraphFormatError(f"graph format version {doc.get('version')!r}; this runtime reads version {VERSION}")
+    if not isinstance(doc.get("nodes"), list) or not doc["nodes"]:
+        raise GraphFormatError("graph has no nodes")
+    return doc
