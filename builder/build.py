@@ -41,6 +41,8 @@ class BuildSpec:
     """Tokens per sequence."""
     partitioner: str = "min_cut"
     """Forward/backward partitioner."""
+    dtype: str = "float32"
+    """Compute dtype (parameters and optimizer state stay float32)."""
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -56,8 +58,12 @@ class BuildSpec:
         return f"{self.model}{flavor}-{self.layout.tag()}"
 
 
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int,
-              batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut") -> BuildSpec:
+              batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
+              dtype: str | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; available: {', '.join(MODELS)}")
@@ -76,8 +82,12 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         raise ValueError("--batch-size must be >= 1 and --seq-len >= 2")
     if seq_len % tp:
         raise ValueError(f"--seq-len {seq_len} must be divisible by --tp {tp} (sequence parallel shards it)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {dtype!r}; use bf16 or fp32")
+    # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
+    dtype = DTYPES[dtype] if dtype else ("float32" if flavor == "debug" else "bfloat16")
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
-                     partitioner=partitioner)
+                     partitioner=partitioner, dtype=dtype)
 
 
 @dataclass(kw_only=True)
@@ -105,7 +115,8 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int):
                                 max_tasks_per_child=1) as pool:
         futures = [pool.submit(trace_rank, RankJob(cfg=spec.cfg, layout=spec.layout, rank=r,
                                                    batch_size=spec.batch_size, seq_len=spec.seq_len,
-                                                   partitioner=spec.partitioner)) for r in ranks]
+                                                   partitioner=spec.partitioner, dtype=spec.dtype))
+                   for r in ranks]
         for fut in cf.as_completed(futures):
             yield fut.result()
 
@@ -133,6 +144,7 @@ def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
         "batch_size": spec.batch_size,
         "seq_len": spec.seq_len,
         "dtype": factors["dtype"],
+        "param_dtype": "float32",
         "torch_version": installed_torch_version(),
         "builder_version": factors["builder version"],
         "passes": list(spec.passes),

@@ -34,7 +34,7 @@ def build_factors(spec) -> dict:
         "batch size": spec.batch_size,
         "seq len": spec.seq_len,
         "passes": list(spec.passes),
-        "dtype": "float32",
+        "dtype": spec.dtype,
         "torch version": torch_release(installed_torch_version()),
         "builder version": builder_version(),
         # Graphs are device-agnostic today (attention dispatches at run time); kernel-generating

@@ -17,11 +17,12 @@ from titan.runtime.init import materialize
 
 class EagerProgram:
     def __init__(self, cfg: LlamaConfig, layout: Layout, rank: int, *, batch_size: int, seq_len: int,
-                 device: torch.device, mesh, seed: int):
+                 device: torch.device, mesh, seed: int, compute_dtype: torch.dtype = torch.float32):
         with torch.device("meta"):
             model = Llama3(cfg)
         model.loss_scale = float(batch_size * seq_len * layout.dp_degree)
-        shards = {s.fqn: s for s in parallelize(model, layout, mesh, layout.coordinates(rank))}
+        shards = {s.fqn: s for s in parallelize(model, layout, mesh, layout.coordinates(rank),
+                                                compute_dtype=compute_dtype)}
         specs = init_specs(cfg)
         for mod_name, module in model.named_modules():
             for pname, param in list(module._parameters.items()):

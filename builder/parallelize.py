@@ -89,22 +89,33 @@ def _placement_str(p) -> str:
 
 
 class _ShardedParamAccess:
-    """Computes the tensor a module sees for one of its sharded parameters."""
+    """Computes the tensor a module sees for one of its sharded parameters.
+
+    Mixed precision as FSDP2's MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32):
+    the fp32 shard is cast to the compute dtype before the all-gather, and its gradient is
+    reduced (reduce-scatter / all-reduce over data parallel) in fp32. Tensor-parallel
+    reductions run in the compute dtype, like the activations they come from.
+    """
 
     def __init__(self, *, dp_mesh: DeviceMesh | None, dp_placements: tuple, tp_mesh: DeviceMesh | None,
-                 tp_placements: tuple):
+                 tp_placements: tuple, compute_dtype: torch.dtype):
         self.dp_mesh = dp_mesh
         self.dp_placements = dp_placements
         self.tp_mesh = tp_mesh
         self.tp_placements = tp_placements
+        self.compute_dtype = compute_dtype
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         x = local
         if self.dp_mesh is not None:
             n = len(self.dp_placements)
             sharded = DTensor.from_local(x, self.dp_mesh, self.dp_placements, run_check=False)
-            full = sharded.redistribute(self.dp_mesh, (Replicate(),) * n)
+            cast = self.compute_dtype if self.compute_dtype != x.dtype else None
+            full = sharded.redistribute(self.dp_mesh, (Replicate(),) * n, forward_dtype=cast,
+                                        backward_dtype=x.dtype if cast else None)
             x = full.to_local(grad_placements=(Partial(),) * n)
+        elif x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
         if self.tp_mesh is not None:
             x = DTensor.from_local(x, self.tp_mesh, self.tp_placements, run_check=False)
         return x
@@ -122,19 +133,20 @@ def _install_access(module: nn.Module, name: str, access: _ShardedParamAccess) -
     setattr(cls, name, property(lambda self, _n=name: self.__class__._titan_accessors[_n](self._parameters[_n])))
 
 
-def parallelize(model: Llama3, layout: Layout, mesh: DeviceMesh | None,
-                coords: dict[str, int]) -> list[ParamShard]:
-    """Shard `model` in place for this rank; return where each local shard sits.
+def parallelize(model: Llama3, layout: Layout, mesh: DeviceMesh | None, coords: dict[str, int], *,
+                compute_dtype: torch.dtype = torch.float32) -> list[ParamShard]:
+    """Shard `model` in place for this rank; return where each local shard sits. Parameters
+    stay fp32 (master weights); modules compute in `compute_dtype`.
 
     Works on a meta model (for tracing) and on a real one (for the eager reference).
     """
-    if mesh is None:
-        return [ParamShard(fqn=fqn, global_shape=tuple(p.shape), local_shape=tuple(p.shape),
-                           placements={}, slices=()) for fqn, p in model.named_parameters()]
-    names = mesh.mesh_dim_names
+    names = mesh.mesh_dim_names if mesh is not None else ()
     tp_mesh = mesh["tp"] if "tp" in names else None
     dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
     dp_mesh = mesh[dp_names] if dp_names else None
+    if mesh is None and compute_dtype == torch.float32:
+        return [ParamShard(fqn=fqn, global_shape=tuple(p.shape), local_shape=tuple(p.shape),
+                           placements={}, slices=()) for fqn, p in model.named_parameters()]
     if tp_mesh is not None:
         parallelize_module(model, tp_mesh, _tp_plan(model))
 
@@ -174,7 +186,8 @@ def parallelize(model: Llama3, layout: Layout, mesh: DeviceMesh | None,
                                                      else torch.empty_like(local), requires_grad=True)
             _install_access(module, pname, _ShardedParamAccess(
                 dp_mesh=dp_mesh, dp_placements=tuple(dp_placements),
-                tp_mesh=tp_mesh if tp_placements else None, tp_placements=tp_placements))
+                tp_mesh=tp_mesh if tp_placements else None, tp_placements=tp_placements,
+                compute_dtype=compute_dtype))
             shards.append(ParamShard(fqn=fqn, global_shape=global_shape,
                                      local_shape=tuple(module._parameters[pname].shape),
                                      placements={n: placements.get(n, "R") for n in names},

@@ -43,6 +43,8 @@ class RankJob:
     """Tokens per sequence."""
     partitioner: str = "min_cut"
     """Forward/backward partitioner name (see PARTITION_FNS)."""
+    dtype: str = "float32"
+    """Compute dtype."""
 
 
 @dataclass(kw_only=True)
@@ -123,7 +125,7 @@ def trace_rank(job: RankJob) -> RankResult:
         with torch.device("meta"):
             model = Llama3(job.cfg)
         model.loss_scale = float(job.batch_size * job.seq_len * layout.dp_degree)
-        shards = parallelize(model, layout, mesh, coords)
+        shards = parallelize(model, layout, mesh, coords, compute_dtype=getattr(torch, job.dtype))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             model.to_empty(device="cpu")

@@ -11,7 +11,8 @@ from titan.builder.layout import Layout
 from titan.builder.models.llama3_config import FLAVORS, LlamaConfig
 from titan.runtime.artifact import open_artifact
 from titan.runtime.distributed import RankEnv, build_mesh, init_process_group, pick_device
-from titan.runtime.train import ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, train_loop
+from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, step_function,
+                                 train_loop)
 
 
 def eager_config(manifest: dict) -> LlamaConfig:
@@ -37,15 +38,15 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
     kw = dict(steps=cfg.steps, device=device, mesh=mesh, tokens_per_step=tokens_per_step, log=None)
 
     eager = EagerProgram(eager_config(m), layout, env.rank, batch_size=m["batch_size"], seq_len=m["seq_len"],
-                         device=device, mesh=mesh, seed=cfg.seed)
+                         device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m["dtype"]))
     # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors).
     eager_opt = torch.optim.AdamW(eager.params, lr=cfg.lr, foreach=False, **ADAMW)
     eager_losses = train_loop(eager.step, eager_opt,
                               make_data(m, cfg, layout.coordinates(env.rank)), **kw)
     del eager
     program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed)
-    graph_losses = train_loop(program.step, make_optimizer(program.params, cfg.lr),
-                              make_data(m, cfg, program.coords), **kw)
+    with step_function(program, cfg, device) as step:
+        graph_losses = train_loop(step, make_optimizer(program.params, cfg.lr), make_data(m, cfg, program.coords), **kw)
     return eager_losses, graph_losses, device
 
 

@@ -19,6 +19,8 @@ from titan.cli.errors import user_errors
 @click.option("--dp-replicate", default=1, show_default=True, type=int, help="Replicated data-parallel degree.")
 @click.option("--batch-size", default=None, type=int, help="Sequences per data-parallel rank (default: 2 debug, 1 otherwise).")
 @click.option("--seq-len", default=None, type=int, help="Tokens per sequence (default: 128 debug, 8192 otherwise).")
+@click.option("--dtype", default=None, help="Compute dtype: bf16 (default; fp32 for the debug flavor) or fp32. "
+              "Parameters and optimizer state stay fp32.")
 @click.option("--partitioner", default="min_cut", show_default=True, help="Forward/backward partitioner: min_cut or default.")
 @click.option("--out", default=None, type=click.Path(path_type=Path), help="Output directory (default: artifacts/<name>).")
 @click.option("--jobs", default=None, type=int, help="Ranks traced in parallel (default: CPU count).")
@@ -26,7 +28,7 @@ from titan.cli.errors import user_errors
               help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @user_errors
-def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, partitioner, out, jobs, cache_dir,
+def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, partitioner, out, jobs, cache_dir,
          explain):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     from titan.builder.build import build, make_spec, nearest_entry
@@ -34,12 +36,12 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, partiti
     from titan.builder.cache_key import build_factors
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
-                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner)
+                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype)
     out = out or Path("artifacts") / spec.name
     jobs = jobs or os.cpu_count() or 1
     world = spec.layout.world_size
     click.echo(f"building {spec.name}: {model} {spec.flavor}, {world} rank(s) "
-               f"[{spec.layout.tag()}], batch {spec.batch_size} x seq {spec.seq_len}")
+               f"[{spec.layout.tag()}], batch {spec.batch_size} x seq {spec.seq_len}, {spec.dtype}")
     t0 = time.perf_counter()
 
     def progress(res):

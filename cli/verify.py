@@ -20,16 +20,18 @@ from titan.cli.errors import user_errors
 @click.option("--data-dtype", default="uint16", show_default=True, type=click.Choice(["uint16", "uint32"]))
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="On GPU, capture forward + backward in a CUDA graph and replay it.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
 @user_errors
-def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, json_path):
+def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, json_path):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
     from titan.runtime.artifact import open_artifact
     from titan.runtime.train import RunConfig
 
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
-                    deterministic=deterministic)
+                    deterministic=deterministic, cuda_graphs=cuda_graphs)
     if "RANK" in os.environ:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))

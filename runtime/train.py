@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -37,6 +38,8 @@ class RunConfig:
     """auto, cpu or cuda."""
     quiet: bool = False
     """Print no step lines."""
+    cuda_graphs: bool = True
+    """On GPU, capture forward + backward once and replay it (no effect on CPU)."""
     deterministic: bool = False
     """Use deterministic kernels only (GPU runs are otherwise free to pick faster, racy ones)."""
 
@@ -84,8 +87,8 @@ class GraphProgram:
         self.device = device
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward + backward; sets .grad on each parameter; returns this rank's loss."""
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This rank's loss and the gradient of each parameter (in self.params order)."""
         params = iter(self.params)
         args = []
         for inp in self.inputs:
@@ -94,10 +97,14 @@ class GraphProgram:
         loss, *saved = self.forward(*args)
         grads = self.backward(*saved, torch.ones_like(loss))
         del saved
-        grads_iter = iter(g for inp, g in zip(self.inputs, grads) if inp["kind"] == "param")
-        for p in self.params:
-            p.grad = next(grads_iter)
-        return loss.detach()
+        return loss, [g for inp, g in zip(self.inputs, grads) if inp["kind"] == "param"]
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward + backward; sets .grad on each parameter; returns this rank's loss."""
+        loss, grads = self.forward_backward(tokens, labels)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        return loss
 
 
 def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
@@ -116,7 +123,8 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
         dt = time.perf_counter() - t0
         losses.append(loss)
         if log is not None:
-            record = {"step": step, "loss": loss.item(), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+            record = {"step": step, "loss": loss.item(), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                      "time": time.time()}
             if device.type == "cuda":
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             log(record)
@@ -144,6 +152,11 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Ten
         raise ArtifactError(f"{artifact_path} was built for world size {artifact.world_size}, but this job has "
                             f"{env.world_size} ranks; launch {artifact.world_size} ranks or rebuild for this layout")
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
+    if device.type == "cuda" and cfg.cuda_graphs:
+        from titan.runtime.cudagraph import disable_expandable_segments
+        if disable_expandable_segments() and env.rank == 0:
+            print("note: expandable_segments turned off for this run (it breaks CUDA graphs that capture "
+                  "NCCL collectives); --no-cuda-graphs keeps it", flush=True)
     init_process_group(env, device)
     mesh = build_mesh(artifact.mesh, device)
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed)
@@ -151,8 +164,23 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Ten
     data = make_data(artifact.manifest, cfg, program.coords)
     m = artifact.manifest
     tokens_per_step = m["batch_size"] * m["seq_len"] * m["layout"]["dp_replicate"] * m["layout"]["dp_shard"]
-    return train_loop(program.step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
-                      tokens_per_step=tokens_per_step, log=_step_logger(cfg, env.rank == 0, cfg.steps))
+    with step_function(program, cfg, device) as step:
+        return train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
+                          tokens_per_step=tokens_per_step, log=_step_logger(cfg, env.rank == 0, cfg.steps))
+
+
+@contextlib.contextmanager
+def step_function(program: GraphProgram, cfg: RunConfig, device: torch.device):
+    """The program's step, captured in a CUDA graph on GPU unless disabled; released on exit."""
+    if device.type != "cuda" or not cfg.cuda_graphs:
+        yield program.step
+        return
+    from titan.runtime.cudagraph import CapturedStep
+    captured = CapturedStep(program)
+    try:
+        yield captured
+    finally:
+        captured.close()
 
 
 def rank_main(artifact_path: str, cfg: RunConfig) -> int:

@@ -30,17 +30,39 @@ def test_attention_op_matches_sdpa_on_cuda(dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.gpu(count=2)
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp_shard=2)], ids=["tp2", "dp_shard2"])
-def test_verify_bitwise_on_cuda(layout, debug_artifact, tmp_path):
-    art = debug_artifact(**layout)
-    out = tmp_path / "verify.json"
-    r = titan("verify", art, "--steps", 10, "--device", "cuda", "--deterministic", "--json", out)
+def _verify_json(art, tmp_path, name, *flags) -> dict:
+    out = tmp_path / f"{name}.json"
+    r = titan("verify", art, "--steps", 10, "--device", "cuda", "--json", out, *flags)
     print(r.stdout, r.stderr)
     assert r.returncode == 0, r.stdout + r.stderr
-    result = json.loads(out.read_text())
-    assert result["bitwise_equal"] and result["eager"] == result["artifact"]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.gpu(count=2)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp_shard=2)], ids=["tp2", "dp_shard2"])
+def test_cuda_graphs_bitwise_equal_to_eager_and_to_no_graphs(layout, dtype, debug_artifact, tmp_path):
+    art = debug_artifact(**layout, extra=("--dtype", dtype))
+    with_graphs = _verify_json(art, tmp_path, "graphs")
+    without = _verify_json(art, tmp_path, "nographs", "--no-cuda-graphs")
+    assert with_graphs["bitwise_equal"] and without["bitwise_equal"]
+    assert with_graphs["artifact"] == without["artifact"] == with_graphs["eager"]
     metrics = tmp_path / "metrics.jsonl"
-    r = titan("run", art, "--steps", 10, "--device", "cuda", "--deterministic", "--metrics", metrics)
+    r = titan("run", art, "--steps", 10, "--device", "cuda", "--metrics", metrics)
     assert r.returncode == 0, r.stderr
-    assert [float.fromhex(h) for h in result["artifact"]] == [rec["loss"] for rec in read_metrics(metrics)]
+    assert [float.fromhex(h) for h in with_graphs["artifact"]] == [rec["loss"] for rec in read_metrics(metrics)]
+
+
+@pytest.mark.gpu(count=4)
+def test_8b_tp4_bf16_cuda_graphs_bitwise_equal_to_eager(tmp_path):
+    art = tmp_path / "llama3-tp4"
+    r = titan("build", "--model", "llama3", "--tp", 4, "--out", art)
+    assert r.returncode == 0, r.stderr
+    result = _verify_json(art, tmp_path, "8b")
+    assert result["bitwise_equal"] and result["eager"] == result["artifact"]
+
+
+@pytest.mark.gpu(count=2)
+def test_deterministic_kernels_bitwise_on_cuda(debug_artifact, tmp_path):
+    result = _verify_json(debug_artifact(tp=2), tmp_path, "det", "--deterministic")
+    assert result["bitwise_equal"] and result["eager"] == result["artifact"]

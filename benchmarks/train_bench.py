@@ -1,0 +1,245 @@
+"""Side-by-side training benchmark on one GPU host: eager PyTorch, torch.compile per
+transformer block (as torchtitan does), and titan-run from a built artifact; same model,
+layout, batch shape, precision policy (bf16 compute, fp32 master weights and optimizer state,
+fp32 gradient reduction) and data.
+
+    python benchmarks/train_bench.py --layout tp4 --layout fsdp4 [--flavor 8B] [--seq-len 8192]
+        [--steps 12] [--modes eager,compile,compile-warm,titan] [--json results.json]
+
+eager:   DTensor TP (with sequence parallel) for tp; FSDP2 fully_shard per block with
+         MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for fsdp.
+compile: the same, each transformer block torch.compile'd; 'compile' starts from an empty
+         inductor cache, 'compile-warm' reuses it.
+titan:   titan-build (outside the timed run; a cache hit when built before), then titan-run.
+
+Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
+bf16 matmul rate measured here, time from process start to the end of the first step,
+process wall time, peak GPU memory (rank 0), and ratios to eager and to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PEAK_TFLOPS = 989.0
+LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsdp2": dict(dp_shard=2),
+           "dp2tp2": dict(dp_shard=2, tp=2), "tp2dp2": dict(dp_shard=2, tp=2)}
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """6 x non-embedding parameters + attention (torchtitan's estimate)."""
+    d, f, hd = cfg.dim, cfg.ffn_hidden, cfg.head_dim
+    per_layer = 2 * d * d + 2 * d * cfg.n_kv_heads * hd + 3 * d * f + 2 * d
+    non_embedding = cfg.n_layers * per_layer + d + cfg.vocab_size * d
+    return 6 * non_embedding + 12 * cfg.n_layers * cfg.n_heads * hd * seq_len
+
+
+# --------------------------------------------------------------------------------------------
+# worker (one rank of eager / compile)
+
+def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str) -> None:
+    t_start = float(os.environ["BENCH_T0"])
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from titan.builder.layout import Layout
+    from titan.builder.models.llama3 import Llama3, init_specs
+    from titan.builder.models.llama3_config import FLAVORS
+    from titan.builder.parallelize import parallelize
+    from titan.runtime.data import SyntheticTokens
+    from titan.runtime.init import full_param, materialize
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    on_gpu = torch.cuda.is_available()  # CPU (gloo) only to smoke-test this script
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    cfg = FLAVORS[flavor]
+    layout = Layout(**LAYOUTS[layout_name])
+    specs = init_specs(cfg)
+    with torch.device("meta"):
+        model = Llama3(cfg)
+    model.loss_scale = float(batch * seq_len * layout.dp_degree)
+    if layout.dp_shard > 1 and layout.tp == 1:
+        mesh = init_device_mesh(device.type, (layout.dp_shard,), mesh_dim_names=("dp_shard",))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for fqn, p in model.named_parameters():
+                full = full_param(specs[fqn], list(p.shape), fqn=fqn, seed=0, device=device)
+                p.to_local().copy_(full.chunk(layout.dp_shard, 0)[dist.get_rank()])
+        dp_rank = rank
+    else:
+        mesh = init_device_mesh(device.type, tuple(s for _, s in layout.mesh_shape()),
+                                mesh_dim_names=tuple(n for n, _ in layout.mesh_shape()))
+        coords = layout.coordinates(rank)
+        shards = {s.fqn: s for s in parallelize(model, layout, mesh, coords, compute_dtype=torch.bfloat16)}
+        for mod_name, module in model.named_modules():
+            for pname, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                s = shards[fqn]
+                module._parameters[pname] = torch.nn.Parameter(materialize(
+                    {"fqn": fqn, "global_shape": list(s.global_shape), "local_shape": list(s.local_shape),
+                     "slices": [list(x) for x in s.slices], "init": specs[fqn]}, seed=0, device=device))
+        dp_rank = coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
+    if mode.startswith("compile"):
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=batch, seq_len=seq_len, seed=0, dp_rank=dp_rank)
+    times, losses, first_step_end = [], [], None
+    for step in range(steps):
+        tokens, labels = (t.to(device) for t in data.batch(step))
+        sync()
+        t0 = time.perf_counter()
+        loss = model(tokens, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+        if first_step_end is None:
+            first_step_end = time.time() - t_start
+    if rank == 0:
+        Path(out).write_text(json.dumps({"step_times": times, "losses": losses, "first_step_s": first_step_end,
+                                         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+
+def _spawn(cmd: list[str], world: int, env_extra: dict) -> float:
+    t0 = time.time()
+    port = 29500 + os.getpid() % 1000
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BENCH_T0=str(t0), **env_extra)
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"{cmd[:4]} failed: exit codes {codes}")
+    return time.time() - t0
+
+
+def matmul_tflops() -> float:
+    import torch
+    if not torch.cuda.is_available():
+        return float("nan")
+    code = ("import torch,time;a=torch.randn(8192,8192,device='cuda',dtype=torch.bfloat16);b=torch.randn_like(a)\n"
+            "for _ in range(3): a@b\n"
+            "torch.cuda.synchronize();t=time.perf_counter()\n"
+            "for _ in range(20): a@b\n"
+            "torch.cuda.synchronize();print(20*2*8192**3/(time.perf_counter()-t)/1e12)")
+    return float(subprocess.check_output([sys.executable, "-c", code], text=True).strip())
+
+
+def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
+    world = 1
+    for v in LAYOUTS[layout].values():
+        world *= v
+    result_file = tmp / f"{layout}-{mode}.json"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
+    if mode == "compile":
+        shutil.rmtree(tmp / "inductor", ignore_errors=True)
+    if mode == "titan":
+        art = tmp / f"titan-{layout}"
+        build = [sys.executable, "-m", "titan.cli.build", "--flavor", opts.flavor, "--seq-len", str(opts.seq_len),
+                 "--batch-size", str(opts.batch_size), "--dtype", "bf16", "--out", str(art)]
+        for k, v in LAYOUTS[layout].items():
+            build += [f"--{k.replace('_', '-')}", str(v)]
+        if opts.flavor == "debug":
+            build[build.index("bf16")] = "fp32"  # CPU smoke test
+        subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
+        metrics = tmp / f"{layout}-titan.jsonl"
+        t0 = time.time()
+        wall = _spawn([sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
+                       "--metrics", str(metrics)], world, env)
+        recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+        res = {"step_times": [r["step_time_s"] for r in recs], "losses": [r["loss"] for r in recs],
+               "first_step_s": recs[0]["time"] - t0, "peak_gib": recs[-1].get("peak_mem_gib", 0.0)}
+    else:
+        wall = _spawn([sys.executable, __file__, "--worker", mode, "--flavor", opts.flavor, "--layout", layout,
+                       "--batch-size", str(opts.batch_size), "--seq-len", str(opts.seq_len),
+                       "--steps", str(opts.steps), "--json", str(result_file)], world, env)
+        res = json.loads(result_file.read_text())
+    res["wall_s"] = wall
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", default=None)
+    p.add_argument("--layout", action="append")
+    p.add_argument("--flavor", default="8B")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--modes", default="eager,compile,compile-warm,titan")
+    p.add_argument("--json", default=None)
+    opts = p.parse_args()
+    if opts.worker:
+        worker(opts.worker, opts.flavor, opts.layout[0], opts.batch_size, opts.seq_len, opts.steps, opts.json)
+        return
+    from titan.builder.models.llama3_config import FLAVORS
+    cfg = FLAVORS[opts.flavor]
+    fpt = flops_per_token(cfg, opts.seq_len)
+    measured = matmul_tflops()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in opts.layout or ["tp4", "fsdp4"]:
+            world = 1
+            for v in LAYOUTS[layout].values():
+                world *= v
+            dp = LAYOUTS[layout].get("dp_shard", 1)
+            results = {}
+            for mode in opts.modes.split(","):
+                r = run_mode(mode, layout, opts, Path(tmp))
+                step = statistics.median(r["step_times"][2:]) if len(r["step_times"]) > 2 else r["step_times"][-1]
+                tps = opts.batch_size * opts.seq_len * dp / step / world
+                results[mode] = dict(r, tokens_per_s_per_gpu=tps, mfu=tps * fpt / (PEAK_TFLOPS * 1e12),
+                                     mfu_measured=tps * fpt / (measured * 1e12))
+                print(f"{layout} {mode}: {tps:,.0f} tok/s/GPU, first step {r['first_step_s']:.1f} s, "
+                      f"wall {r['wall_s']:.1f} s, peak {r['peak_gib']:.1f} GiB, losses {r['losses'][:3]}", flush=True)
+            rows.append((layout, results))
+    print(f"\nbf16 matmul 8192^3 measured: {measured:.0f} TFLOP/s; model {opts.flavor}, seq {opts.seq_len}, "
+          f"batch {opts.batch_size}; throughput = median step of steps 3..{opts.steps}")
+    head = (f"{'layout':<7}{'mode':<14}{'tok/s/GPU':>10}{'MFU989':>8}{'MFUmeas':>8}{'1st step s':>11}{'wall s':>8}"
+            f"{'peak GiB':>9}{'x eager':>8}{'x compile':>10}")
+    print(head)
+    for layout, results in rows:
+        base = results.get("eager", {}).get("tokens_per_s_per_gpu")
+        comp = results.get("compile-warm", results.get("compile", {})).get("tokens_per_s_per_gpu")
+        for mode, r in results.items():
+            tps = r["tokens_per_s_per_gpu"]
+            print(f"{layout:<7}{mode:<14}{tps:>10,.0f}{r['mfu']:>8.3f}{r['mfu_measured']:>8.3f}"
+                  f"{r['first_step_s']:>11.1f}{r['wall_s']:>8.1f}{r['peak_gib']:>9.1f}"
+                  f"{tps / base if base else float('nan'):>8.2f}{tps / comp if comp else float('nan'):>10.2f}")
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"rows": rows, "matmul_tflops": measured}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

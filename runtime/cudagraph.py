@@ -1,0 +1,76 @@
+"""Forward + backward of a rank captured once in a CUDA graph and replayed every step.
+
+Parameters are static inputs (the optimizer updates them in place, so the graph reads the
+new values without a copy); only the batch is copied into the graph's input buffers. The
+gradients are the graph's own output buffers, handed to the optimizer by reference. Forward
+and backward share one capture, hence one memory pool and one capture stream.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+WARMUP_STEPS = 1
+
+
+def disable_expandable_segments() -> bool:
+    """CUDA graphs that capture NCCL collectives misbehave with expandable segments (the
+    allocator remaps memory a captured graph still points at); switch them off for this process
+    before any allocation. Returns True if the user's setting was overridden."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" not in conf.replace(" ", "").lower():
+        return False
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    return True
+
+
+class CapturedStep:
+    """Callable like GraphProgram.step; the first WARMUP_STEPS steps run eagerly on a side
+    stream (lazy cuBLAS / NCCL initialization must not happen during capture)."""
+
+    def __init__(self, program):
+        self.program = program
+        self.warmup_left = WARMUP_STEPS
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: dict[str, object] = {}
+
+    def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.warmup_left > 0:
+            self.warmup_left -= 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self.program.step(tokens, labels)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.warmup_left == 0:
+                torch.cuda.synchronize()
+                # Give the warm-up's blocks back before the graph takes its own pool, so the
+                # two do not add up in reserved memory.
+                torch.cuda.empty_cache()
+            return loss
+        if self.graph is None:
+            self.static["tokens"], self.static["labels"] = tokens.clone(), labels.clone()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                loss, grads = self.program.forward_backward(self.static["tokens"], self.static["labels"])
+            self.static["loss"], self.static["grads"] = loss, grads
+        else:
+            self.static["tokens"].copy_(tokens)
+            self.static["labels"].copy_(labels)
+        self.graph.replay()
+        for p, g in zip(self.program.params, self.static["grads"]):
+            p.grad = g
+        return self.static["loss"]
+
+    def close(self) -> None:
+        """Release the graph before the process group goes: a captured graph holds NCCL
+        resources, and destroying the communicator under it hangs at exit."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            for p in self.program.params:
+                p.grad = None
+            self.static.clear()
+            self.graph.reset()
+            self.graph = None
