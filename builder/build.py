@@ -25,6 +25,9 @@ MODELS = {"llama3": FLAVORS}
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}
 PARTITIONERS = ("min_cut", "default")
+# Named passes applied after partitioning (builder/passes.py: DEFAULT_PASSES); listed here too
+# so that computing the cache key does not import torch.
+GRAPH_PASSES = ("mask_index_put_to_where",)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,7 +49,7 @@ class BuildSpec:
 
     @property
     def passes(self) -> tuple[str, ...]:
-        return (f"partition:{self.partitioner}",)
+        return (f"partition:{self.partitioner}", *GRAPH_PASSES)
 
     @property
     def cfg(self) -> LlamaConfig:

@@ -25,6 +25,7 @@ from titan.builder.layout import Layout
 from titan.builder.models.llama3 import Llama3, init_specs
 from titan.builder.models.llama3_config import LlamaConfig
 from titan.builder.parallelize import build_mesh, parallelize
+from titan.builder.passes import DEFAULT_PASSES, PASSES
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
@@ -45,6 +46,8 @@ class RankJob:
     """Forward/backward partitioner name (see PARTITION_FNS)."""
     dtype: str = "float32"
     """Compute dtype."""
+    passes: tuple[str, ...] = DEFAULT_PASSES
+    """Graph passes applied after partitioning (see passes.PASSES)."""
 
 
 @dataclass(kw_only=True)
@@ -141,6 +144,8 @@ def trace_rank(job: RankJob) -> RankResult:
             # The partitioners rewrite the joint graph in place: give them a copy.
             joint_copy = copy_graph_module(gm)
             fw, bw = PARTITION_FNS[job.partitioner](joint_copy, None, num_fwd_outputs=1)
+            for name in job.passes:
+                fw, bw = PASSES[name](fw), PASSES[name](bw)
             t_partition = time.perf_counter()
         # Encode after the export context (and its fake mode) has closed: constants are real.
         groups = _group_names(mesh)

@@ -55,10 +55,12 @@ def test_cuda_graphs_bitwise_equal_to_eager_and_to_no_graphs(layout, dtype, debu
 
 @pytest.mark.gpu(count=4)
 def test_8b_tp4_bf16_cuda_graphs_bitwise_equal_to_eager(tmp_path):
+    # At seq 8192 the flash-attention backward accumulates with atomics unless deterministic
+    # kernels are asked for: eager then differs from itself run to run, so compare with them.
     art = tmp_path / "llama3-tp4"
     r = titan("build", "--model", "llama3", "--tp", 4, "--out", art)
     assert r.returncode == 0, r.stderr
-    result = _verify_json(art, tmp_path, "8b")
+    result = _verify_json(art, tmp_path, "8b", "--deterministic")
     assert result["bitwise_equal"] and result["eager"] == result["artifact"]
 
 

@@ -1,0 +1,65 @@
+"""Graph passes: each `name_pass(gm) -> gm` does one job, is chosen by name from PASSES, and
+is recorded in the artifact's pass list (and so in the cache key).
+
+Every pass here preserves numerics bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+def mask_index_put_to_where_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """index_put(x, [bool_mask], scalar) -> where(mask, scalar, x).
+
+    The vocab-parallel embedding masks out-of-shard ids this way. A boolean-mask index_put
+    runs nonzero() first, a device-to-host sync that a CUDA graph cannot capture; where() is
+    the same selection with no sync, and writes the same bits.
+    """
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.index_put.default:
+            continue
+        x, indices, values = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if accumulate or len(indices) != 1 or indices[0] is None:
+            continue
+        mask = indices[0]
+        mask_val, x_val, v_val = mask.meta["val"], x.meta["val"], values.meta["val"]
+        if mask_val.dtype != torch.bool or v_val.dim() != 0 or v_val.dtype != x_val.dtype:
+            continue
+        if tuple(mask_val.shape) != tuple(x_val.shape[:mask_val.dim()]):
+            continue
+        with gm.graph.inserting_before(node):
+            cond = mask
+            extra = x_val.dim() - mask_val.dim()
+            if extra:
+                shape = list(mask_val.shape) + [1] * extra
+                cond = gm.graph.call_function(aten.view.default, (mask, shape))
+                cond.meta = dict(mask.meta, val=mask_val.view(shape))
+            where = gm.graph.call_function(aten.where.self, (cond, values, x))
+            where.meta = dict(node.meta)
+        node.replace_all_uses_with(where)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+PASSES: dict[str, Callable[[fx.GraphModule], fx.GraphModule]] = {
+    "mask_index_put_to_where": mask_index_put_to_where_pass,
+}
+# Applied to every forward and backward graph, in order, after partitioning.
+DEFAULT_PASSES = ("mask_index_put_to_where",)
+
+
+def _check_in_sync() -> None:
+    from titan.builder.build import GRAPH_PASSES
+    assert GRAPH_PASSES == DEFAULT_PASSES, "builder/build.py GRAPH_PASSES must list passes.DEFAULT_PASSES"
+
+
+_check_in_sync()
