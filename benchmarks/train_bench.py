@@ -6,8 +6,9 @@ fp32 gradient reduction) and data.
     python benchmarks/train_bench.py --layout tp4 --layout fsdp4 [--flavor 8B] [--seq-len 8192]
         [--steps 12] [--modes eager,compile,compile-warm,titan] [--json results.json]
 
-eager:   DTensor TP (with sequence parallel) for tp; FSDP2 fully_shard per block with
-         MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for fsdp.
+eager:   DTensor TP (with sequence parallel; DTensor parameters, bf16 autocast) for tp; FSDP2
+         fully_shard per block with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+         for fsdp; torch.optim.AdamW defaults (foreach).
 compile: the same, each transformer block torch.compile'd; 'compile' starts from an empty
          inductor cache, 'compile-warm' reuses it.
 titan:   titan-build (outside the timed run; a cache hit when built before), then titan-run.
@@ -87,6 +88,22 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
                 full = full_param(specs[fqn], list(p.shape), fqn=fqn, seed=0, device=device)
                 p.to_local().copy_(full.chunk(layout.dp_shard, 0)[dist.get_rank()])
         dp_rank = rank
+    elif layout.dp_degree == 1:
+        # Tensor parallel as users run it: DTensor parameters from the TP plan, bf16 autocast.
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from titan.builder.parallelize import _tp_plan
+        mesh = init_device_mesh(device.type, (layout.tp,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, _tp_plan(model))
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for fqn, p in model.named_parameters():
+                full = full_param(specs[fqn], list(p.shape), fqn=fqn, seed=0, device=device)
+                (pl,) = p.placements
+                local = full.chunk(layout.tp, pl.dim)[rank] if pl.is_shard() else full
+                p.to_local().copy_(local)
+        dp_rank = 0
+        autocast = True
     else:
         mesh = init_device_mesh(device.type, tuple(s for _, s in layout.mesh_shape()),
                                 mesh_dim_names=tuple(n for n, _ in layout.mesh_shape()))
@@ -102,7 +119,10 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
                     {"fqn": fqn, "global_shape": list(s.global_shape), "local_shape": list(s.local_shape),
                      "slices": [list(x) for x in s.slices], "init": specs[fqn]}, seed=0, device=device))
         dp_rank = coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
+    autocast = locals().get("autocast", False)
     if mode.startswith("compile"):
+        import torch._dynamo
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block in model.layers.values():
             block.compile(fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -112,7 +132,8 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         tokens, labels = (t.to(device) for t in data.batch(step))
         sync()
         t0 = time.perf_counter()
-        loss = model(tokens, labels)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(tokens, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -216,7 +237,11 @@ def main() -> None:
             dp = LAYOUTS[layout].get("dp_shard", 1)
             results = {}
             for mode in opts.modes.split(","):
-                r = run_mode(mode, layout, opts, Path(tmp))
+                try:
+                    r = run_mode(mode, layout, opts, Path(tmp))
+                except (SystemExit, subprocess.CalledProcessError) as e:
+                    print(f"{layout} {mode}: FAILED ({e})", flush=True)
+                    continue
                 step = statistics.median(r["step_times"][2:]) if len(r["step_times"]) > 2 else r["step_times"][-1]
                 tps = opts.batch_size * opts.seq_len * dp / step / world
                 results[mode] = dict(r, tokens_per_s_per_gpu=tps, mfu=tps * fpt / (PEAK_TFLOPS * 1e12),

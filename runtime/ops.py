@@ -56,15 +56,10 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("attention_backward", _attention_backward, _key)
 
 
-@torch.library.register_fake("titan::attention", lib=_lib)
-def _(q, k, v):
-    b, h, s, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
-
-
-@torch.library.register_fake("titan::attention_backward", lib=_lib)
-def _(grad_out, q, k, v, out, lse):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+# Fake (shape) kernels: the same dispatch, on fake tensors, so aten's own meta kernels give the
+# exact output layouts of the kernel the device will run (compilers check them).
+torch.library.register_fake("titan::attention", _attention, lib=_lib)
+torch.library.register_fake("titan::attention_backward", _attention_backward, lib=_lib)
 
 
 def _setup_context(ctx, inputs, output):
