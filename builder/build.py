@@ -203,8 +203,11 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
     out = out.resolve()
     if out.exists() and not (out / MANIFEST).is_file():
         raise ArtifactError(f"{out} exists and is not a titan artifact; choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise ArtifactError(f"cannot write the artifact to {out.parent}: {e.strerror or e}; choose another --out") from None
     try:
         files: dict[str, str] = {}
         ranks = []
@@ -229,5 +232,8 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
         else:
             os.replace(tmp, out)
         return manifest
+    except OSError as e:
+        raise ArtifactError(f"cannot write the artifact to {out}: {e.strerror or e}; free space there or choose "
+                            "another --out") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

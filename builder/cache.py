@@ -63,16 +63,23 @@ class Cache:
         return self.root / "blobs" / sha[:2] / sha
 
     def _write_atomic(self, path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root / "tmp")
+        tmp = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.root / "tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except OSError as e:
+            if tmp:
+                Path(tmp).unlink(missing_ok=True)
+            raise CacheError(f"cannot write to the build cache {self.root}: {e.strerror or e}; free space there, "
+                             "or pass --cache-dir (or TITAN_CACHE_DIR) with a writable directory") from None
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            if tmp:
+                Path(tmp).unlink(missing_ok=True)
             raise
 
     def put_blob(self, data: bytes) -> str:

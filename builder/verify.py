@@ -31,7 +31,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
     if env.world_size != art.world_size:
         raise ValueError(f"{artifact_path} needs {art.world_size} ranks, this job has {env.world_size}")
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
-    init_process_group(env, device)
+    init_process_group(env, device, timeout_s=cfg.timeout_s)
     mesh = build_mesh(art.mesh, device)
     layout = Layout(**m["layout"])
     tokens_per_step = m["batch_size"] * m["seq_len"] * layout.dp_degree

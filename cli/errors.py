@@ -9,7 +9,9 @@ import click
 
 
 def user_errors(fn):
-    """Turn ValueError (ArtifactError, bad layouts, bad options) into `error: ...` and exit 2."""
+    """Turn ValueError (ArtifactError, bad layouts, bad options) into `error: ...` and exit 2;
+    Ctrl-C into `interrupted` and exit 130 (what was written stays consistent: every file is
+    put in place by rename)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -17,4 +19,7 @@ def user_errors(fn):
         except ValueError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
     return wrapper

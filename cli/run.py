@@ -33,16 +33,19 @@ def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
 @click.option("--metrics", default=None, type=click.Path(dir_okay=False), help="Write one JSON object per step.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
+@click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=click.FloatRange(min=1),
+              help="Seconds a rank waits in a collective (or for its peers) before the job fails.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")
 @user_errors
-def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, device, deterministic, cuda_graphs):
+def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, device, deterministic, timeout_s,
+         cuda_graphs):
     """Train from ARTIFACT (a directory written by titan-build)."""
     from titan.runtime.artifact import open_artifact
     from titan.runtime.train import RunConfig, rank_main
 
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics, device=device,
-                    deterministic=deterministic, cuda_graphs=cuda_graphs)
+                    deterministic=deterministic, cuda_graphs=cuda_graphs, timeout_s=timeout_s)
     if "RANK" in os.environ:
         from titan.runtime.distributed import exit_rank
         exit_rank(rank_main(artifact, cfg))

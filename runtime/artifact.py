@@ -51,7 +51,7 @@ class Artifact:
 
     def read_verified(self, rel: str) -> bytes:
         """Read a listed file, checking its sha256 against the manifest."""
-        expected = self.manifest["files"].get(rel)
+        expected = self.manifest["files"].get(rel) if isinstance(rel, str) else None
         if expected is None:
             raise ArtifactError(f"{self.root}: {rel} is not listed in the manifest; rebuild with titan-build")
         path = self.root / rel
@@ -77,10 +77,14 @@ class Artifact:
         return entry
 
     def rank_meta(self, rank: int) -> dict:
-        meta = json.loads(self.read_verified(self.rank_entry(rank)["meta"]))
-        if meta.get("rank") != rank:
+        try:
+            meta = json.loads(self.read_verified(self.rank_entry(rank)["meta"]))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ArtifactError(f"{self.root}: rank {rank} metadata is not JSON; rebuild with titan-build") from None
+        if not isinstance(meta, dict) or meta.get("rank") != rank:
             # A rank's graphs bake in its coordinates: running another rank's graphs trains wrong.
-            raise ArtifactError(f"{self.root}: rank {rank} metadata describes rank {meta.get('rank')}; "
+            described = meta.get("rank") if isinstance(meta, dict) else None
+            raise ArtifactError(f"{self.root}: rank {rank} metadata describes rank {described!r}; "
                                 "rebuild with titan-build")
         return meta
 
@@ -102,9 +106,8 @@ def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artif
     for key in ("world_size", "mesh", "ranks", "files", "torch_version", "batch_size", "seq_len", "model_config"):
         if key not in manifest:
             raise ArtifactError(f"{mpath} lacks '{key}'; rebuild with titan-build")
-    if len(manifest["ranks"]) != manifest["world_size"]:
-        raise ArtifactError(f"{mpath}: {len(manifest['ranks'])} rank entries for world size "
-                            f"{manifest['world_size']}; rebuild with titan-build")
+    from titan.runtime.validate import check_manifest
+    check_manifest(manifest)
     if check_torch:
         built, here = torch_release(manifest["torch_version"]), torch_release(installed_torch_version())
         if built != here:

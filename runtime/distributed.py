@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -50,13 +51,20 @@ def pick_device(requested: str, env: RankEnv, *, deterministic: bool = False) ->
     return torch.device("cuda", env.local_rank)
 
 
-def init_process_group(env: RankEnv, device: torch.device) -> None:
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def init_process_group(env: RankEnv, device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """`timeout_s` bounds how long a rank waits in a collective (or for its peers to join)
+    before failing, so a dead peer stops the job in minutes, not the backends' default hours."""
     if env.world_size == 1 or dist.is_initialized():
         return
+    timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
-        dist.init_process_group("nccl", rank=env.rank, world_size=env.world_size, device_id=device)
+        dist.init_process_group("nccl", rank=env.rank, world_size=env.world_size, device_id=device,
+                                timeout=timeout)
     else:
-        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 def build_mesh(mesh_shape: list[tuple[str, int]], device: torch.device):

@@ -6,6 +6,9 @@ import msgpack
 
 FORMAT = "titan-graph"
 VERSION = 1
+# No integer in a graph or its metadata (sizes, counts) beyond this many elements: a crafted
+# artifact must not be able to ask for terabytes.
+MAX_ELEMENTS = 1 << 40
 
 
 class GraphFormatError(ValueError):

@@ -20,17 +20,26 @@ allow-list below, or "getitem"; anything else is refused, so loading runs no cod
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any, Callable
 
 import safetensors.torch
 import torch
 import torch.fx as fx
 
-from titan.runtime.graph_doc import FORMAT, VERSION, GraphFormatError, read_doc  # noqa: F401
+from titan.runtime.graph_doc import FORMAT, MAX_ELEMENTS, VERSION, GraphFormatError, read_doc  # noqa: F401
 
 ALLOWED_NAMESPACES = ("aten", "prims", "_c10d_functional", "titan")
-# aten ops that touch the file system or host memory by address are never loaded.
-DENIED_OPS = frozenset({"aten.from_file", "aten._nested_tensor_from_mask"})
+# aten ops that touch the file system, or address memory by raw strides / storage (which a
+# crafted graph could point outside its buffers), are never loaded.
+DENIED_OPS = frozenset({
+    "aten.from_file", "aten._nested_tensor_from_mask", "aten.as_strided", "aten.as_strided_",
+    "aten.as_strided_copy", "aten.as_strided_scatter", "aten.set_", "aten.resize_", "aten.resize_as_",
+    "aten._unsafe_view_as_storage", "aten.untyped_storage", "aten._copy_from", "aten._copy_from_and_resize",
+    "aten.empty_strided", "aten.new_empty_strided", "aten._reshape_alias", "prims.as_strided",
+})
+MAX_NODES = 1 << 20
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 BUILTIN_TARGETS: dict[str, Callable] = {"getitem": operator.getitem}
 
 
@@ -73,6 +82,90 @@ def dtype_from_name(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise GraphFormatError(f"unknown dtype {name!r}") from None
+
+
+def _check_int(v: int, where: str) -> None:
+    if abs(v) > MAX_ELEMENTS:
+        raise GraphFormatError(f"{where}: integer {v} is beyond the allowed bound")
+
+
+def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -> None:
+    """Arity and argument kinds against the op's schema; sizes within bounds."""
+    if target is operator.getitem:
+        if len(args) != 2 or kwargs or not isinstance(args[0], fx.Node) or not isinstance(args[1], int):
+            raise GraphFormatError(f"node {i}: getitem takes (node, int)")
+        return
+    schema = target._schema
+    params = schema.arguments
+    positional = [a for a in params if not a.kwarg_only]
+    if len(args) > len(positional):
+        raise GraphFormatError(f"node {i}: {name} takes {len(positional)} positional arguments, got {len(args)}")
+    by_name = {a.name: a for a in params}
+    bound = dict(zip((a.name for a in positional), args))
+    for k, v in kwargs.items():
+        if k not in by_name or k in bound:
+            raise GraphFormatError(f"node {i}: {name} has no argument {k!r} (or it is given twice)")
+        bound[k] = v
+    for a in params:
+        if a.name not in bound:
+            if not a.has_default_value():
+                raise GraphFormatError(f"node {i}: {name} is missing argument {a.name!r}")
+            continue
+        _check_kind(bound[a.name], str(a.real_type), f"node {i} ({name}) argument {a.name}")
+
+
+_DECODED_KINDS = {"ScalarType": torch.dtype, "Layout": torch.layout, "Device": torch.device,
+                  "MemoryFormat": torch.memory_format}
+
+
+def _check_kind(v, kind: str, where: str) -> None:
+    """`kind` is the schema's type string, e.g. 'Tensor', 'Optional[Tensor]', 'List[int]'."""
+    optional = kind.startswith("Optional[")
+    if optional:
+        kind = kind[len("Optional["):-1]
+    if v is None:
+        if not optional:
+            raise GraphFormatError(f"{where}: None for a {kind}")
+        return
+    if kind == "Tensor":
+        # Traced graphs pass Python numbers where a schema says Tensor (wrapped scalars).
+        ok = isinstance(v, (fx.Node, int, float, bool))
+        if isinstance(v, int) and not isinstance(v, bool):
+            _check_int(v, where)
+    elif kind in ("List[Tensor]", "List[Optional[Tensor]]"):
+        ok = isinstance(v, (list, tuple)) and all(x is None or isinstance(x, fx.Node) for x in v)
+    elif kind in ("int", "SymInt"):
+        ok = isinstance(v, int) and not isinstance(v, bool)
+        if ok:
+            _check_int(v, where)
+    elif kind in ("List[int]", "List[SymInt]"):
+        ok = isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        if ok:
+            total = 1
+            for x in v:
+                _check_int(x, where)
+                total *= max(abs(x), 1)
+            _check_int(total, where)
+    elif kind == "float":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    elif kind == "bool":
+        ok = isinstance(v, bool)
+    elif kind == "str":
+        ok = isinstance(v, str)
+    elif kind == "number":
+        ok = isinstance(v, (int, float, bool))
+        if ok and isinstance(v, int):
+            _check_int(v, where)
+    elif kind in _DECODED_KINDS:
+        ok = isinstance(v, _DECODED_KINDS[kind])
+    elif kind == "List[bool]":
+        ok = isinstance(v, (list, tuple)) and all(isinstance(x, bool) for x in v)
+    elif kind == "Any":
+        ok = isinstance(v, (str, int, float, bool))
+    else:
+        raise GraphFormatError(f"{where}: arguments of type {kind} are not supported by the titan format")
+    if not ok:
+        raise GraphFormatError(f"{where}: expected {kind}, got {type(v).__name__}")
 
 
 def _decode_value(v: Any, nodes: list[fx.Node], here: int, ctx: "_DecodeContext") -> Any:
@@ -131,6 +224,9 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> 
     root = torch.nn.Module()
     nodes: list[fx.Node] = []
     records = doc["nodes"]
+    if len(records) > MAX_NODES:
+        raise GraphFormatError(f"graph has {len(records)} nodes, over the bound of {MAX_NODES}")
+    names: set[str] = set()
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             raise GraphFormatError(f"node {i} is not a map")
@@ -141,16 +237,23 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> 
             raise GraphFormatError(f"node {i}: args must be a list and kwargs a map")
         kwargs = {str(k): _decode_value(v, nodes, i, ctx) for k, v in raw_kwargs.items()}
         name = rec.get("name")
-        if not isinstance(name, str):
-            raise GraphFormatError(f"node {i}: missing name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in names:
+            raise GraphFormatError(f"node {i}: name {name!r} is not a unique identifier")
+        names.add(name)
         if op == "placeholder":
+            if args or raw_kwargs or (nodes and nodes[-1].op != "placeholder"):
+                raise GraphFormatError(f"node {i}: placeholders come first and take no arguments")
             node = graph.placeholder(name)
         elif op == "call_function":
-            node = graph.create_node("call_function", resolve_target(rec.get("target", "")),
-                                     tuple(args), kwargs, name=name)
+            target_str = rec.get("target", "")
+            if not isinstance(target_str, str):
+                raise GraphFormatError(f"node {i}: target is not a string")
+            fn = resolve_target(target_str)
+            _check_call(fn, target_str, args, kwargs, i)
+            node = graph.create_node("call_function", fn, tuple(args), kwargs, name=name)
         elif op == "get_attr":
             target = rec.get("target")
-            if target not in constants:
+            if not isinstance(target, str) or not _NAME.fullmatch(target) or target not in constants:
                 raise GraphFormatError(f"node {i}: constant {target!r} is missing")
             if not hasattr(root, target):
                 root.register_buffer(target, constants[target].to(device))
@@ -158,7 +261,10 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> 
         elif op == "output":
             if i != len(records) - 1:
                 raise GraphFormatError("output node is not last")
-            node = graph.output(args[0] if len(args) == 1 else tuple(args))
+            if len(args) != 1 or not isinstance(args[0], (tuple, list)) or not all(
+                    x is None or isinstance(x, fx.Node) for x in args[0]):
+                raise GraphFormatError("output must be one tuple of nodes")
+            node = graph.output(tuple(args[0]))
         else:
             raise GraphFormatError(f"node {i}: unknown op kind {op!r}")
         node.meta["titan_val"] = rec.get("val")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.data import SyntheticTokens, TokenFile
@@ -18,6 +19,7 @@ from titan.runtime.distributed import (RankEnv, build_mesh, dp_sum, group_names,
 from titan.runtime.graph_format import load_graph
 from titan.runtime.init import materialize
 from titan.runtime.optim import AdamW
+from titan.runtime.validate import check_rank
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +42,8 @@ class RunConfig:
     """Print no step lines."""
     cuda_graphs: bool = True
     """On GPU, capture forward + backward once and replay it (no effect on CPU)."""
+    timeout_s: float = 300.0
+    """Longest wait in a collective or for peers to join before the rank fails."""
     deterministic: bool = False
     """Use deterministic kernels only (GPU runs are otherwise free to pick faster, racy ones)."""
 
@@ -69,9 +73,6 @@ class GraphProgram:
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int):
         meta = artifact.rank_meta(rank)
         entry = artifact.rank_entry(rank)
-        if meta["grad_reductions_owed"]:
-            raise ArtifactError(f"{artifact.root}: rank {rank} owes gradient reductions outside the graph, "
-                                "which this runtime does not perform; rebuild with this version's titan-build")
         for kind in ("forward", "backward"):
             if artifact.manifest["files"].get(entry[kind]) != meta.get(f"{kind}_graph"):
                 raise ArtifactError(f"{artifact.root}: the manifest gives rank {rank} a {kind} graph that is not "
@@ -80,6 +81,7 @@ class GraphProgram:
         groups = group_names(mesh)
         self.forward = load_graph(artifact.read_verified(entry["forward"]), device=device, groups=groups)
         self.backward = load_graph(artifact.read_verified(entry["backward"]), device=device, groups=groups)
+        check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}")
         self.inputs = meta["forward_inputs"]
         self.params = [materialize(p, seed=seed, device=device) for p in meta["params"]]
         self.param_names = [p["fqn"] for p in meta["params"]]
@@ -157,7 +159,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Ten
         if disable_expandable_segments() and env.rank == 0:
             print("note: expandable_segments turned off for this run (it breaks CUDA graphs that capture "
                   "NCCL collectives); --no-cuda-graphs keeps it", flush=True)
-    init_process_group(env, device)
+    init_process_group(env, device, timeout_s=cfg.timeout_s)
     mesh = build_mesh(artifact.mesh, device)
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed)
     optimizer = make_optimizer(program.params, cfg.lr)
@@ -185,11 +187,22 @@ def step_function(program: GraphProgram, cfg: RunConfig, device: torch.device):
 
 def rank_main(artifact_path: str, cfg: RunConfig) -> int:
     """Entry point of one rank process; returns the exit code."""
+    env = None
     try:
         env = RankEnv.from_environ()
         run_rank(artifact_path, cfg, env)
     except ValueError as e:  # ArtifactError and bad options: the user's to fix
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as e:
+        if not dist.is_initialized():
+            raise
+        # Collectives fail like this when a peer rank died or stopped answering.
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        print(f"error: rank {env.rank}: a collective failed, most likely because another rank died or "
+              f"stopped answering (timeout {cfg.timeout_s:.0f} s); stopping. ({first})", file=sys.stderr, flush=True)
+        return 1
     shutdown()
     return 0

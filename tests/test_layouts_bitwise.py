@@ -4,6 +4,8 @@ same parallelism, seed and data, at every step."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -61,3 +63,14 @@ def test_token_file_data_equal_eager(debug_artifact, tmp_path):
     synthetic = tmp_path / "synthetic.json"
     assert titan("verify", art, "--steps", 3, "--json", synthetic).returncode == 0
     assert json.loads(synthetic.read_text())["artifact"] != result["artifact"], "--data was not read"
+
+
+def test_torchrun_ranks_train_like_spawned_ranks(debug_artifact, tmp_path):
+    art = debug_artifact(tp=2)
+    spawned, launched = tmp_path / "spawned.jsonl", tmp_path / "torchrun.jsonl"
+    assert titan("run", art, "--steps", 3, "--metrics", spawned).returncode == 0
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "titan.cli.run",
+                        str(art), "--steps", "3", "--metrics", str(launched)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert [x["loss"] for x in read_metrics(spawned)] == [x["loss"] for x in read_metrics(launched)]

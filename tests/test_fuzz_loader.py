@@ -1,0 +1,211 @@
+"""Fuzzing the artifact loader: mutated graph blobs, graph documents, manifests and rank
+metadata (with hashes recomputed, as a crafted artifact would have them). Every case must end
+in a clear error (a ValueError subclass) or a well-formed load: no other exception, no hang
+over 5 s, and no code from the artifact executed.
+
+TITAN_FUZZ_EXAMPLES sets the examples per strategy (CI runs a fast slice)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import types
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from titan.runtime.artifact import open_artifact
+from titan.runtime.graph_format import load_graph
+from titan.runtime.train import GraphProgram
+
+EXAMPLES = int(os.environ.get("TITAN_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+HOSTILE_TARGETS = ["builtins.eval", "builtins.exec", "os.system", "posix.system", "subprocess.Popen",
+                   "torch.load", "pickle.loads", "titan_fuzz_canary.boom.default", "aten.from_file.default",
+                   "aten.as_strided.default", "aten.set_.source_Storage", "aten..default", "", "getitem.x",
+                   "aten.mm", "aten.mm.nonexistent", "__import__"]
+CANARY_CALLS: list[str] = []
+OUTCOMES = {"accepted": 0, "rejected": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def canary():
+    """Anything an artifact could name to run code records itself here instead."""
+    module = types.ModuleType("titan_fuzz_canary")
+    module.boom = types.SimpleNamespace(default=lambda *a, **k: CANARY_CALLS.append("boom"))
+    sys.modules["titan_fuzz_canary"] = module
+    real_system = os.system
+    os.system = lambda *a, **k: CANARY_CALLS.append("os.system") or 0
+    yield
+    os.system = real_system
+    del sys.modules["titan_fuzz_canary"]
+    assert not CANARY_CALLS, f"artifact content executed code: {CANARY_CALLS}"
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hang()
+
+
+def expect_clean(fn, *args, **kwargs):
+    """Run fn under a 5 s alarm: a ValueError is a clean rejection, anything else fails."""
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(5)
+    try:
+        fn(*args, **kwargs)
+        OUTCOMES["accepted"] += 1
+    except _Hang:
+        pytest.fail("loader hung for over 5 s")
+    except ValueError as e:
+        assert str(e), "errors must say what is wrong"
+        OUTCOMES["rejected"] += 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module")
+def single(debug_artifact):
+    return debug_artifact()
+
+
+@pytest.fixture(scope="module")
+def blobs(single, debug_artifact):
+    art = open_artifact(single)
+    entry = art.rank_entry(0)
+    tp = open_artifact(debug_artifact(tp=2))
+    return [art.read_verified(entry["forward"]), art.read_verified(entry["backward"]),
+            tp.read_verified(tp.rank_entry(1)["forward"])]
+
+
+def _load(blob: bytes):
+    load_graph(blob, device=torch.device("cpu"), groups={"tp": "fuzz"})
+
+
+@FUZZ
+@given(data=st.data())
+def test_byte_level_mutations(blobs, data):
+    blob = bytearray(data.draw(st.sampled_from(blobs)))
+    how = data.draw(st.sampled_from(["flip", "truncate", "insert"]))
+    if how == "flip":
+        for pos in data.draw(st.lists(st.integers(0, len(blob) - 1), min_size=1, max_size=8)):
+            blob[pos] ^= data.draw(st.integers(1, 255))
+    elif how == "truncate":
+        blob = blob[:data.draw(st.integers(0, len(blob) - 1))]
+    else:
+        pos = data.draw(st.integers(0, len(blob)))
+        blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
+    expect_clean(_load, bytes(blob))
+
+
+# Integers within msgpack's 64-bit range (it cannot encode wider ones).
+INT64 = st.integers(-(2 ** 63), 2 ** 63 - 1)
+JSON_JUNK = st.one_of(st.none(), st.booleans(), INT64, st.floats(allow_nan=True),
+                      st.text(max_size=20), st.lists(st.integers(-3, 3), max_size=4),
+                      st.dictionaries(st.text(max_size=4), INT64, max_size=2))
+JUNK = st.one_of(st.none(), st.booleans(), INT64, st.floats(allow_nan=True),
+                 st.text(max_size=20), st.binary(max_size=8), st.lists(st.integers(-3, 3), max_size=4),
+                 st.dictionaries(st.text(max_size=4), INT64, max_size=2),
+                 st.sampled_from([{"$n": 10 ** 9}, {"$n": -1}, {"$t": "x"}, {"$dtype": "evil"},
+                                  {"$device": "cuda:7"}, {"$group": "world"}, [2 ** 40, 2 ** 40]]))
+
+
+@FUZZ
+@given(data=st.data())
+def test_document_level_mutations(blobs, data):
+    doc = msgpack.unpackb(data.draw(st.sampled_from(blobs)), raw=False)
+    nodes = doc["nodes"]
+    i = data.draw(st.integers(0, len(nodes) - 1))
+    node = nodes[i]
+    how = data.draw(st.sampled_from(["target", "ref", "junk-arg", "junk-field", "drop-field", "name",
+                                     "op", "cycle", "absurd-size", "constants"]))
+    if how == "target":
+        node["op"], node["target"] = "call_function", data.draw(st.sampled_from(HOSTILE_TARGETS))
+        node.setdefault("args", [])
+    elif how == "ref":
+        node["args"] = [{"$n": data.draw(st.integers(-5, len(nodes) + 5))}] + list(node.get("args", []))[1:]
+    elif how == "junk-arg" and node.get("args"):
+        node["args"][data.draw(st.integers(0, len(node["args"]) - 1))] = data.draw(JUNK)
+    elif how == "junk-field":
+        node[data.draw(st.sampled_from(["args", "kwargs", "target", "name", "op", "val"]))] = data.draw(JUNK)
+    elif how == "drop-field":
+        node.pop(data.draw(st.sampled_from(["args", "kwargs", "target", "name", "op"])), None)
+    elif how == "name":
+        node["name"] = data.draw(st.sampled_from(["x; import os", "__import__('os')", "a" * 500, "", "1abc",
+                                                  nodes[0]["name"]]))
+    elif how == "op":
+        node["op"] = data.draw(st.sampled_from(["call_module", "call_method", "get_attr", "output", "placeholder"]))
+    elif how == "cycle":
+        node["args"] = [{"$n": i}, {"$n": min(i + 1, len(nodes) - 1)}]
+    elif how == "absurd-size":
+        node["op"], node["target"] = "call_function", "aten.empty.memory_format"
+        node["args"], node["kwargs"] = [[2 ** 31, 2 ** 31, 2 ** 31]], {}
+    else:
+        doc["constants"] = data.draw(st.one_of(st.binary(max_size=64), JUNK))
+    expect_clean(_load, msgpack.packb(doc, use_bin_type=True))
+
+
+def _rehash(root) -> None:
+    mpath = root / "manifest.json"
+    m = json.loads(mpath.read_text())
+    if isinstance(m, dict) and isinstance(m.get("files"), dict):
+        for rel in list(m["files"]):
+            path = root / rel if isinstance(rel, str) and ".." not in rel else None
+            if path is not None and path.is_file():
+                m["files"][rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    mpath.write_text(json.dumps(m))
+
+
+def _open_and_bind(root) -> None:
+    art = open_artifact(root)
+    art.verify_all()
+    GraphProgram(art, 0, device=torch.device("cpu"), mesh=None, seed=0)
+
+
+def _mutate_json(value, data, depth=0):
+    if isinstance(value, dict) and value and depth < 4 and data.draw(st.booleans()):
+        key = data.draw(st.sampled_from(sorted(value, key=str)))
+        action = data.draw(st.sampled_from(["recurse", "replace", "delete"]))
+        if action == "recurse":
+            value[key] = _mutate_json(value[key], data, depth + 1)
+        elif action == "replace":
+            value[key] = data.draw(JSON_JUNK)
+        else:
+            del value[key]
+        return value
+    if isinstance(value, list) and value and depth < 4 and data.draw(st.booleans()):
+        j = data.draw(st.integers(0, len(value) - 1))
+        value[j] = _mutate_json(value[j], data, depth + 1)
+        return value
+    return data.draw(st.one_of(JSON_JUNK, st.sampled_from(["../../../../etc/passwd", "/etc/passwd", 0, -1, 2 ** 62])))
+
+
+@FUZZ
+@given(data=st.data())
+def test_manifest_and_metadata_mutations(single, tmp_path_factory, data):
+    root = tmp_path_factory.mktemp("fuzz") / "art"
+    shutil.copytree(single, root)
+    target = data.draw(st.sampled_from(["manifest.json", "ranks/rank0.json"]))
+    path = root / target
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps(_mutate_json(copy.deepcopy(doc), data)))
+    _rehash(root)
+    expect_clean(_open_and_bind, root)
+
+
+def test_outcome_counts_are_reported():
+    # Runs after the strategies above (file order); prints the counts for the closing note.
+    print(f"fuzz outcomes: {OUTCOMES}")
+    assert OUTCOMES["rejected"] > 0
