@@ -108,7 +108,7 @@ def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artif
             raise ArtifactError(f"{mpath} lacks '{key}'; rebuild with titan-build")
     from titan.runtime.validate import check_manifest
     check_manifest(manifest)
-    if check_torch:
+    if check_torch:  # after check_manifest: torch_version is a version string
         built, here = torch_release(manifest["torch_version"]), torch_release(installed_torch_version())
         if built != here:
             raise ArtifactError(f"{root} was built with torch {built} but this is torch {here}; "

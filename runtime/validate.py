@@ -58,6 +58,8 @@ def check_manifest(m: dict) -> None:
         check_rel_path(rel, f"{where} files")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             _fail(where, f"files[{rel!r}] is not a sha256 digest")
+    if not isinstance(m.get("torch_version"), str) or not re.fullmatch(r"[0-9][0-9A-Za-z.+_-]{0,63}", m["torch_version"]):
+        _fail(where, f"torch_version {m.get('torch_version')!r} is not a version string")
     world = _int(m.get("world_size"), f"{where} world_size", 1, 1 << 16)
     mesh = m.get("mesh")
     if not isinstance(mesh, list):

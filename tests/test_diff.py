@@ -54,7 +54,7 @@ def test_builds_with_different_passes_show_what_changed(debug_artifact):
     code, report = _diff_json(a, b, "--rank", 0)
     assert code == 1
     assert [d["detail"] for d in _by(report, "manifest")] == [
-        'passes: ["partition:min_cut"] -> ["partition:default"]']
+        'passes: ["partition:min_cut", "mask_index_put_to_where"] -> ["partition:default", "mask_index_put_to_where"]']
     assert any(d["detail"].startswith("saved_activations: 57 -> ") for d in _by(report, "rank"))
     cats = {d["category"] for d in _by(report, "forward") + _by(report, "backward")}
     assert {"inserted", "removed"} <= cats and "collectives" not in cats
