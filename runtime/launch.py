@@ -3,24 +3,21 @@
 Each rank is `python -m <module> <args>` with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT set, so a spawned rank and a torchrun rank take the same code path. When one rank
 fails, the others are stopped (they would block in a collective) and its exit code returned.
+
+The launcher hosts the rendezvous store itself (as torchrun's agent does), on a port the OS
+gives it and that it holds for the whole job: picking a free port and letting rank 0 bind it
+later races with other jobs and sockets in TIME_WAIT (EADDRINUSE).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 STOP_GRACE_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -38,12 +35,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def spawn_local(module: str, args: list[str], world_size: int) -> int:
     """Run `world_size` ranks on this host; returns 0, or the first failing rank's exit code."""
-    port = _free_port()
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONUNBUFFERED="1")
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1")
         procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env))
     try:
         while True:

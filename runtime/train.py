@@ -81,7 +81,8 @@ class GraphProgram:
         groups = group_names(mesh)
         self.forward = load_graph(artifact.read_verified(entry["forward"]), device=device, groups=groups)
         self.backward = load_graph(artifact.read_verified(entry["backward"]), device=device, groups=groups)
-        check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}")
+        check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
+                   layout=artifact.manifest["layout"])
         self.inputs = meta["forward_inputs"]
         self.params = [materialize(p, seed=seed, device=device) for p in meta["params"]]
         self.param_names = [p["fqn"] for p in meta["params"]]

@@ -135,8 +135,20 @@ def _outputs(gm: fx.GraphModule) -> tuple:
     return next(n for n in gm.graph.nodes if n.op == "output").args[0]
 
 
-def check_rank(meta: dict, forward: fx.GraphModule, backward: fx.GraphModule, where: str) -> None:
-    """The rank metadata is well formed and describes these two graphs."""
+def rank_coordinates(rank: int, layout: dict) -> dict[str, int]:
+    """A rank's coordinate on each mesh dimension (row-major, tp innermost)."""
+    coords = {}
+    for name in reversed(MESH_DIMS):
+        coords[name] = rank % layout[name]
+        rank //= layout[name]
+    return {name: coords[name] for name in MESH_DIMS}
+
+
+def check_rank(meta: dict, forward: fx.GraphModule, backward: fx.GraphModule, where: str, *,
+               rank: int, layout: dict) -> None:
+    """The rank metadata is well formed, belongs to this rank, and describes these two graphs."""
+    if meta.get("coords") != rank_coordinates(rank, layout):
+        _fail(where, f"coordinates {meta.get('coords')!r} are not rank {rank}'s place in the mesh")
     inputs = meta.get("forward_inputs")
     if not isinstance(inputs, list):
         _fail(where, "'forward_inputs' must be a list")

@@ -121,3 +121,14 @@ def test_run_refuses_another_ranks_graph(debug_artifact, tmp_path):
     r = titan("run", dst, "--steps", 1)
     assert r.returncode == 2
     assert "never run another rank's graph" in _error_line(r)
+
+
+def test_run_rejects_another_artifact_format_version(tp2_copy):
+    manifest = tp2_copy / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["format_version"] = 2
+    manifest.write_text(json.dumps(doc))
+    r = titan("run", tp2_copy, "--steps", 1)
+    assert r.returncode == 2
+    line = _error_line(r)
+    assert "artifact format 2" in line and "rebuild it with this version's titan-build" in line
