@@ -54,12 +54,13 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from titan.builder.eager import materialize_shards
     from titan.builder.layout import Layout
     from titan.builder.models.llama3 import Llama3, init_specs
     from titan.builder.models.llama3_config import FLAVORS
     from titan.builder.parallelize import parallelize
     from titan.runtime.data import SyntheticTokens
-    from titan.runtime.init import full_param, materialize
+    from titan.runtime.init import full_param
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to smoke-test this script
@@ -76,6 +77,7 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     with torch.device("meta"):
         model = Llama3(cfg)
     model.loss_scale = float(batch * seq_len * layout.dp_degree)
+    autocast = False
     if layout.dp_shard > 1 and layout.tp == 1:
         mesh = init_device_mesh(device.type, (layout.dp_shard,), mesh_dim_names=("dp_shard",))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -108,18 +110,9 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         mesh = init_device_mesh(device.type, tuple(s for _, s in layout.mesh_shape()),
                                 mesh_dim_names=tuple(n for n, _ in layout.mesh_shape()))
         coords = layout.coordinates(rank)
-        shards = {s.fqn: s for s in parallelize(model, layout, mesh, coords, compute_dtype=torch.bfloat16)}
-        for mod_name, module in model.named_modules():
-            for pname, param in list(module._parameters.items()):
-                if param is None:
-                    continue
-                fqn = f"{mod_name}.{pname}" if mod_name else pname
-                s = shards[fqn]
-                module._parameters[pname] = torch.nn.Parameter(materialize(
-                    {"fqn": fqn, "global_shape": list(s.global_shape), "local_shape": list(s.local_shape),
-                     "slices": [list(x) for x in s.slices], "init": specs[fqn]}, seed=0, device=device))
+        shards = parallelize(model, layout, mesh, coords, compute_dtype=torch.bfloat16)
+        materialize_shards(model, shards, seed=0, device=device)
         dp_rank = coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
-    autocast = locals().get("autocast", False)
     if mode.startswith("compile"):
         import torch._dynamo
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

@@ -11,8 +11,24 @@ from torch import nn
 from titan.builder.layout import Layout
 from titan.builder.models.llama3 import Llama3, init_specs
 from titan.builder.models.llama3_config import LlamaConfig
-from titan.builder.parallelize import parallelize
+from titan.builder.parallelize import ParamShard, parallelize
 from titan.runtime.init import materialize
+
+
+def materialize_shards(model: nn.Module, shards: list[ParamShard], *, seed: int, device: torch.device) -> None:
+    """Replace each (meta) parameter shard of a parallelized model with its values for `seed`,
+    drawn exactly as the runtime draws them."""
+    by_fqn = {s.fqn: s for s in shards}
+    specs = init_specs(model.cfg)
+    for mod_name, module in model.named_modules():
+        for pname, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            s = by_fqn[fqn]
+            local = materialize({"fqn": fqn, "global_shape": list(s.global_shape), "local_shape": list(s.local_shape),
+                                 "slices": [list(x) for x in s.slices], "init": specs[fqn]}, seed=seed, device=device)
+            module._parameters[pname] = nn.Parameter(local)
 
 
 class EagerProgram:
@@ -21,19 +37,8 @@ class EagerProgram:
         with torch.device("meta"):
             model = Llama3(cfg)
         model.loss_scale = float(batch_size * seq_len * layout.dp_degree)
-        shards = {s.fqn: s for s in parallelize(model, layout, mesh, layout.coordinates(rank),
-                                                compute_dtype=compute_dtype)}
-        specs = init_specs(cfg)
-        for mod_name, module in model.named_modules():
-            for pname, param in list(module._parameters.items()):
-                if param is None:
-                    continue
-                fqn = f"{mod_name}.{pname}" if mod_name else pname
-                s = shards[fqn]
-                local = materialize({"fqn": fqn, "global_shape": list(s.global_shape),
-                                     "local_shape": list(s.local_shape), "slices": [list(x) for x in s.slices],
-                                     "init": specs[fqn]}, seed=seed, device=device)
-                module._parameters[pname] = nn.Parameter(local)
+        shards = parallelize(model, layout, mesh, layout.coordinates(rank), compute_dtype=compute_dtype)
+        materialize_shards(model, shards, seed=seed, device=device)
         self.model = model
         self.params = list(model.parameters())
 

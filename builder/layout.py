@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from titan.builder.models.llama3_config import LlamaConfig
 
-# Mesh dimension order, outermost first (as torchtitan orders them).
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+from titan.runtime.validate import MESH_DIMS, rank_coordinates  # outermost first, as torchtitan orders them
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -33,12 +32,7 @@ class Layout:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's coordinate along each mesh dimension (row-major, tp innermost)."""
-        coords = {}
-        for name in reversed(MESH_DIMS):
-            size = getattr(self, name)
-            coords[name] = rank % size
-            rank //= size
-        return {name: coords[name] for name in MESH_DIMS}
+        return rank_coordinates(rank, {name: getattr(self, name) for name in MESH_DIMS})
 
     def tag(self) -> str:
         parts = [f"{name.replace('_', '-')}{size}" for name, size in self.mesh_shape()]
