@@ -62,7 +62,7 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from titan.runtime.data import SyntheticTokens
     from titan.runtime.init import full_param
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to smoke-test this script
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
     if on_gpu:

@@ -34,7 +34,7 @@ HOSTILE_TARGETS = ["builtins.eval", "builtins.exec", "os.system", "posix.system"
                    "aten.as_strided.default", "aten.set_.source_Storage", "aten..default", "", "getitem.x",
                    "aten.mm", "aten.mm.nonexistent", "__import__"]
 CANARY_CALLS: list[str] = []
-OUTCOMES = {"accepted": 0, "rejected": 0}
+OUTCOMES: dict[str, dict[str, int]] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,18 +59,19 @@ def _alarm(signum, frame):
     raise _Hang()
 
 
-def expect_clean(fn, *args, **kwargs):
+def expect_clean(category: str, fn, *args, **kwargs):
     """Run fn under a 5 s alarm: a ValueError is a clean rejection, anything else fails."""
+    counts = OUTCOMES.setdefault(category, {"accepted": 0, "rejected": 0})
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(5)
     try:
         fn(*args, **kwargs)
-        OUTCOMES["accepted"] += 1
+        counts["accepted"] += 1
     except _Hang:
         pytest.fail("loader hung for over 5 s")
     except ValueError as e:
         assert str(e), "errors must say what is wrong"
-        OUTCOMES["rejected"] += 1
+        counts["rejected"] += 1
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -107,7 +108,7 @@ def test_byte_level_mutations(blobs, data):
     else:
         pos = data.draw(st.integers(0, len(blob)))
         blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
-    expect_clean(_load, bytes(blob))
+    expect_clean(f"graph bytes: {how}", _load, bytes(blob))
 
 
 # Integers within msgpack's 64-bit range (it cannot encode wider ones).
@@ -154,7 +155,7 @@ def test_document_level_mutations(blobs, data):
         node["args"], node["kwargs"] = [[2 ** 31, 2 ** 31, 2 ** 31]], {}
     else:
         doc["constants"] = data.draw(st.one_of(st.binary(max_size=64), JUNK))
-    expect_clean(_load, msgpack.packb(doc, use_bin_type=True))
+    expect_clean(f"graph document: {how}", _load, msgpack.packb(doc, use_bin_type=True))
 
 
 def _rehash(root) -> None:
@@ -202,10 +203,11 @@ def test_manifest_and_metadata_mutations(single, tmp_path_factory, data):
     doc = json.loads(path.read_text())
     path.write_text(json.dumps(_mutate_json(copy.deepcopy(doc), data)))
     _rehash(root)
-    expect_clean(_open_and_bind, root)
+    expect_clean(f"{target} (rehashed)", _open_and_bind, root)
 
 
 def test_outcome_counts_are_reported():
     # Runs after the strategies above (file order); prints the counts for the closing note.
-    print(f"fuzz outcomes: {OUTCOMES}")
-    assert OUTCOMES["rejected"] > 0
+    for category, counts in sorted(OUTCOMES.items()):
+        print(f"fuzz {category}: {counts['rejected']} rejected, {counts['accepted']} accepted")
+    assert sum(c["rejected"] for c in OUTCOMES.values()) > 0
