@@ -25,8 +25,8 @@ MODELS = {"llama3": FLAVORS}
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}
 PARTITIONERS = ("min_cut", "default")
-# Named passes applied after partitioning (builder/passes.py: DEFAULT_PASSES); listed here too
-# so that computing the cache key does not import torch.
+# Graph passes applied after partitioning, in order (implementations: builder/passes.py). Named
+# here, torch-free, because they are part of the cache key.
 GRAPH_PASSES = ("mask_index_put_to_where",)
 
 
@@ -118,7 +118,8 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int):
                                 max_tasks_per_child=1) as pool:
         futures = [pool.submit(trace_rank, RankJob(cfg=spec.cfg, layout=spec.layout, rank=r,
                                                    batch_size=spec.batch_size, seq_len=spec.seq_len,
-                                                   partitioner=spec.partitioner, dtype=spec.dtype))
+                                                   partitioner=spec.partitioner, dtype=spec.dtype,
+                                                   passes=GRAPH_PASSES))
                    for r in ranks]
         for fut in cf.as_completed(futures):
             yield fut.result()

@@ -50,16 +50,7 @@ def mask_index_put_to_where_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+# By name; which ones a build applies, in order, is builder/build.py's GRAPH_PASSES.
 PASSES: dict[str, Callable[[fx.GraphModule], fx.GraphModule]] = {
     "mask_index_put_to_where": mask_index_put_to_where_pass,
 }
-# Applied to every forward and backward graph, in order, after partitioning.
-DEFAULT_PASSES = ("mask_index_put_to_where",)
-
-
-def _check_in_sync() -> None:
-    from titan.builder.build import GRAPH_PASSES
-    assert GRAPH_PASSES == DEFAULT_PASSES, "builder/build.py GRAPH_PASSES must list passes.DEFAULT_PASSES"
-
-
-_check_in_sync()

@@ -25,7 +25,7 @@ from titan.builder.layout import Layout
 from titan.builder.models.llama3 import Llama3, init_specs
 from titan.builder.models.llama3_config import LlamaConfig
 from titan.builder.parallelize import build_mesh, parallelize
-from titan.builder.passes import DEFAULT_PASSES, PASSES
+from titan.builder.passes import PASSES
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
@@ -46,8 +46,8 @@ class RankJob:
     """Forward/backward partitioner name (see PARTITION_FNS)."""
     dtype: str = "float32"
     """Compute dtype."""
-    passes: tuple[str, ...] = DEFAULT_PASSES
-    """Graph passes applied after partitioning (see passes.PASSES)."""
+    passes: tuple[str, ...] = ()
+    """Graph passes applied to both graphs after partitioning, by name (see passes.PASSES)."""
 
 
 @dataclass(kw_only=True)
