@@ -19,15 +19,14 @@ from titan.builder.cache import Cache
 from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
 from titan.builder.layout import Layout, check_layout
 from titan.builder.models.llama3_config import DEFAULT_FLAVOR, FLAVORS, LlamaConfig
+from titan.builder.passes import DEFAULT_PASSES, check_pass_names
 from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
 
 MODELS = {"llama3": FLAVORS}
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}
 PARTITIONERS = ("min_cut", "default")
-# Graph passes applied after partitioning, in order (implementations: builder/passes.py). Named
-# here, torch-free, because they are part of the cache key.
-GRAPH_PASSES = ("mask_index_put_to_where",)
+
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,10 +45,12 @@ class BuildSpec:
     """Forward/backward partitioner."""
     dtype: str = "float32"
     """Compute dtype (parameters and optimizer state stay float32)."""
+    graph_passes: tuple[str, ...] = DEFAULT_PASSES
+    """Passes applied after partitioning, in order (builder/passes.py)."""
 
     @property
     def passes(self) -> tuple[str, ...]:
-        return (f"partition:{self.partitioner}", *GRAPH_PASSES)
+        return (f"partition:{self.partitioner}", *self.graph_passes)
 
     @property
     def cfg(self) -> LlamaConfig:
@@ -66,7 +67,7 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int,
               batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
-              dtype: str | None = None) -> BuildSpec:
+              dtype: str | None = None, passes: tuple[str, ...] | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; available: {', '.join(MODELS)}")
@@ -89,8 +90,10 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         raise ValueError(f"unknown --dtype {dtype!r}; use bf16 or fp32")
     # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
     dtype = DTYPES[dtype] if dtype else ("float32" if flavor == "debug" else "bfloat16")
+    passes = DEFAULT_PASSES if passes is None else tuple(passes)
+    check_pass_names(passes)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
-                     partitioner=partitioner, dtype=dtype)
+                     partitioner=partitioner, dtype=dtype, graph_passes=passes)
 
 
 @dataclass(kw_only=True)
@@ -119,7 +122,7 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int):
         futures = [pool.submit(trace_rank, RankJob(cfg=spec.cfg, layout=spec.layout, rank=r,
                                                    batch_size=spec.batch_size, seq_len=spec.seq_len,
                                                    partitioner=spec.partitioner, dtype=spec.dtype,
-                                                   passes=GRAPH_PASSES))
+                                                   passes=spec.graph_passes))
                    for r in ranks]
         for fut in cf.as_completed(futures):
             yield fut.result()

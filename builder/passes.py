@@ -1,17 +1,16 @@
-"""Graph passes: each `name_pass(gm) -> gm` does one job, is chosen by name from PASSES, and
-is recorded in the artifact's pass list (and so in the cache key).
+"""Graph passes: each `name_pass(gm) -> gm` does one job, is chosen by name from PASSES
+(`titan-build --passes`), and is recorded in the artifact's pass list (and so in the cache key).
 
-Every pass here preserves numerics bit for bit.
+This module imports torch only inside the passes: the registry is read on the cache-hit path.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-import torch
-import torch.fx as fx
-
-aten = torch.ops.aten
+if TYPE_CHECKING:
+    import torch.fx as fx
 
 
 def mask_index_put_to_where_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -21,6 +20,9 @@ def mask_index_put_to_where_pass(gm: fx.GraphModule) -> fx.GraphModule:
     runs nonzero() first, a device-to-host sync that a CUDA graph cannot capture; where() is
     the same selection with no sync, and writes the same bits.
     """
+    import torch
+
+    aten = torch.ops.aten
     for node in list(gm.graph.nodes):
         if node.target is not aten.index_put.default:
             continue
@@ -50,7 +52,29 @@ def mask_index_put_to_where_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-# By name; which ones a build applies, in order, is builder/build.py's GRAPH_PASSES.
-PASSES: dict[str, Callable[[fx.GraphModule], fx.GraphModule]] = {
-    "mask_index_put_to_where": mask_index_put_to_where_pass,
+@dataclass(frozen=True)
+class GraphPass:
+    fn: Callable[[fx.GraphModule], fx.GraphModule]
+    """The pass; applied to the forward and to the backward graph."""
+    preserves_numerics: bool
+    """False for passes whose results may differ from eager (opt-in, labeled)."""
+    summary: str
+    """One line for --list-passes."""
+
+
+PASSES: dict[str, GraphPass] = {
+    "mask_index_put_to_where": GraphPass(
+        mask_index_put_to_where_pass, True,
+        "boolean-mask index_put -> where: same bits, no host sync (lets CUDA graphs capture the "
+        "vocab-parallel embedding)"),
 }
+# Applied, in this order, when --passes is not given.
+DEFAULT_PASSES = ("mask_index_put_to_where",)
+
+
+def check_pass_names(names: tuple[str, ...]) -> None:
+    for name in names:
+        if name not in PASSES:
+            raise ValueError(f"unknown pass {name!r}; titan-build --list-passes shows them")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--passes lists a pass twice: {', '.join(names)}")

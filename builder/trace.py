@@ -145,7 +145,7 @@ def trace_rank(job: RankJob) -> RankResult:
             joint_copy = copy_graph_module(gm)
             fw, bw = PARTITION_FNS[job.partitioner](joint_copy, None, num_fwd_outputs=1)
             for name in job.passes:
-                fw, bw = PASSES[name](fw), PASSES[name](bw)
+                fw, bw = PASSES[name].fn(fw), PASSES[name].fn(bw)
             t_partition = time.perf_counter()
         # Encode after the export context (and its fake mode) has closed: constants are real.
         groups = _group_names(mesh)

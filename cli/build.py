@@ -21,6 +21,10 @@ from titan.cli.errors import user_errors
 @click.option("--seq-len", default=None, type=int, help="Tokens per sequence (default: 128 debug, 8192 otherwise).")
 @click.option("--dtype", default=None, help="Compute dtype: bf16 (default; fp32 for the debug flavor) or fp32. "
               "Parameters and optimizer state stay fp32.")
+@click.option("--passes", "passes", default=None,
+              help="Graph passes after partitioning, comma-separated, in order ('' for none; default: "
+                   "the numerics-preserving set). --list-passes shows them.")
+@click.option("--list-passes", is_flag=True, help="Describe the available passes and exit.")
 @click.option("--partitioner", default="min_cut", show_default=True, help="Forward/backward partitioner: min_cut or default.")
 @click.option("--out", default=None, type=click.Path(path_type=Path), help="Output directory (default: artifacts/<name>).")
 @click.option("--jobs", default=None, type=int, help="Ranks traced in parallel (default: CPU count).")
@@ -28,15 +32,23 @@ from titan.cli.errors import user_errors
               help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @user_errors
-def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, partitioner, out, jobs, cache_dir,
-         explain):
+def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, list_passes, partitioner, out,
+         jobs, cache_dir, explain):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
+    if list_passes:
+        from titan.builder.passes import DEFAULT_PASSES, PASSES
+        for name, p in PASSES.items():
+            label = "numerics-preserving" if p.preserves_numerics else "CHANGES NUMERICS (opt-in)"
+            default = ", default" if name in DEFAULT_PASSES else ""
+            click.echo(f"{name} [{label}{default}]: {p.summary}")
+        return
     from titan.builder.build import build, make_spec, nearest_entry
     from titan.builder.cache import Cache
     from titan.builder.cache_key import build_factors
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
-                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype)
+                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype,
+                     passes=None if passes is None else tuple(p for p in passes.split(",") if p))
     out = out or Path("artifacts") / spec.name
     jobs = jobs or os.cpu_count() or 1
     world = spec.layout.world_size
