@@ -165,15 +165,6 @@ class Cache:
             lock.acquire()
         return lock
 
-    def is_locked(self, key: str) -> bool:
-        lock = filelock.FileLock(str(self.root / "locks" / f"{key}.lock"))
-        try:
-            lock.acquire(timeout=0)
-        except filelock.Timeout:
-            return True
-        lock.release()
-        return False
-
     # --- listing, verification, gc ------------------------------------------------------------
     def entry_keys(self) -> list[str]:
         return sorted(p.stem for p in (self.root / "entries").glob("*.json"))

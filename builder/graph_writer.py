@@ -6,7 +6,6 @@ Canonicalizes on the way: process-group names become mesh-dimension names and de
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import msgpack
@@ -108,6 +107,3 @@ def encode_graph(gm: fx.GraphModule, *, group_names: dict[str, str]) -> bytes:
            "constants": safetensors.torch.save(constants) if constants else None}
     return msgpack.packb(doc, use_bin_type=True)
 
-
-def blob_hash(blob: bytes) -> str:
-    return hashlib.sha256(blob).hexdigest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -42,15 +43,14 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
 
 
 def _rank(artifact: str, cfg, json_path: str | None) -> int:
+    from titan.runtime.train import rank_main
+    return rank_main(artifact, cfg, functools.partial(_verify, json_path=json_path))
+
+
+def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
     from titan.builder.verify import all_ranks_equal, verify_rank
-    from titan.runtime.distributed import RankEnv, shutdown
-    try:
-        env = RankEnv.from_environ()
-        eager, graph, device = verify_rank(artifact, cfg, env)
-        equal = all_ranks_equal(eager, graph, device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    eager, graph, device = verify_rank(artifact, cfg, env)
+    equal = all_ranks_equal(eager, graph, device)
     if env.rank == 0:
         if json_path:
             with open(json_path, "w") as f:
@@ -60,7 +60,6 @@ def _rank(artifact: str, cfg, json_path: str | None) -> int:
         for i, (a, b) in enumerate(zip(eager, graph), 1):
             print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {'yes' if bool((a == b).all()) else 'NO'}")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
-    shutdown()
     return 0 if equal else 1
 
 

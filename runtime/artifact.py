@@ -28,14 +28,6 @@ def torch_release(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
 class Artifact:
     root: Path

@@ -73,21 +73,15 @@ class GraphProgram:
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int):
         meta = artifact.rank_meta(rank)
         entry = artifact.rank_entry(rank)
-        for kind in ("forward", "backward"):
-            if artifact.manifest["files"].get(entry[kind]) != meta.get(f"{kind}_graph"):
-                raise ArtifactError(f"{artifact.root}: the manifest gives rank {rank} a {kind} graph that is not "
-                                    "the one traced for it (a rank must never run another rank's graph); "
-                                    "rebuild with titan-build")
         groups = group_names(mesh)
         self.forward = load_graph(artifact.read_verified(entry["forward"]), device=device, groups=groups)
         self.backward = load_graph(artifact.read_verified(entry["backward"]), device=device, groups=groups)
         check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
-                   layout=artifact.manifest["layout"])
+                   layout=artifact.manifest["layout"],
+                   graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})
         self.inputs = meta["forward_inputs"]
         self.params = [materialize(p, seed=seed, device=device) for p in meta["params"]]
-        self.param_names = [p["fqn"] for p in meta["params"]]
         self.coords = meta["coords"]
-        self.device = device
 
     @torch.no_grad()
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -186,12 +180,19 @@ def step_function(program: GraphProgram, cfg: RunConfig, device: torch.device):
         captured.close()
 
 
-def rank_main(artifact_path: str, cfg: RunConfig) -> int:
-    """Entry point of one rank process; returns the exit code."""
+def _train(artifact_path: str, cfg: RunConfig, env: RankEnv) -> int:
+    run_rank(artifact_path, cfg, env)
+    return 0
+
+
+def rank_main(artifact_path: str, cfg: RunConfig,
+              work: Callable[[str, RunConfig, RankEnv], int] = _train) -> int:
+    """Entry point of one rank process: runs `work` (training by default), which returns the
+    exit code, and turns the ways a rank can fail into one line and an exit status."""
     env = None
     try:
         env = RankEnv.from_environ()
-        run_rank(artifact_path, cfg, env)
+        code = work(artifact_path, cfg, env)
     except ValueError as e:  # ArtifactError and bad options: the user's to fix
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -206,4 +207,4 @@ def rank_main(artifact_path: str, cfg: RunConfig) -> int:
               f"stopped answering (timeout {cfg.timeout_s:.0f} s); stopping. ({first})", file=sys.stderr, flush=True)
         return 1
     shutdown()
-    return 0
+    return code

@@ -145,8 +145,14 @@ def rank_coordinates(rank: int, layout: dict) -> dict[str, int]:
 
 
 def check_rank(meta: dict, forward: fx.GraphModule, backward: fx.GraphModule, where: str, *,
-               rank: int, layout: dict) -> None:
-    """The rank metadata is well formed, belongs to this rank, and describes these two graphs."""
+               rank: int, layout: dict, graph_hashes: dict[str, str]) -> None:
+    """The rank metadata is well formed, belongs to this rank, and describes these two graphs
+    (`graph_hashes`: the sha256 of the forward and backward blobs the manifest gave this rank)."""
+    for kind, digest in graph_hashes.items():
+        if meta.get(f"{kind}_graph") != digest:
+            # A rank's graphs bake in its coordinates: running another rank's graphs trains wrong.
+            _fail(where, f"the manifest gives this rank a {kind} graph that is not the one traced for it "
+                         "(a rank must never run another rank's graph)")
     if meta.get("coords") != rank_coordinates(rank, layout):
         _fail(where, f"coordinates {meta.get('coords')!r} are not rank {rank}'s place in the mesh")
     inputs = meta.get("forward_inputs")

@@ -52,6 +52,18 @@ def tp2_copy(debug_artifact, tmp_path):
     return dst
 
 
+def _edit_json(path, change) -> None:
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def _run_one_step_error(art) -> str:
+    r = titan("run", art, "--steps", 1)
+    assert r.returncode == 2
+    return _error_line(r)
+
+
 def test_run_rejects_world_size_mismatch(tp2_copy):
     env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     r = titan("run", tp2_copy, "--steps", 1, env=env)
@@ -70,23 +82,13 @@ def test_run_rejects_missing_file(tp2_copy):
 
 
 def test_run_rejects_edited_file(tp2_copy):
-    meta = tp2_copy / "ranks" / "rank1.json"
-    doc = json.loads(meta.read_text())
-    doc["params"][0]["init"]["std"] = 0.5
-    meta.write_text(json.dumps(doc, indent=1))
-    r = titan("run", tp2_copy, "--steps", 1)
-    assert r.returncode == 2
-    assert "does not match its sha256" in _error_line(r)
+    _edit_json(tp2_copy / "ranks" / "rank1.json", lambda d: d["params"][0]["init"].update(std=0.5))
+    assert "does not match its sha256" in _run_one_step_error(tp2_copy)
 
 
 def test_run_rejects_other_torch_version(tp2_copy):
-    manifest = tp2_copy / "manifest.json"
-    doc = json.loads(manifest.read_text())
-    doc["torch_version"] = "2.11.0+cu130"
-    manifest.write_text(json.dumps(doc))
-    r = titan("run", tp2_copy, "--steps", 1)
-    assert r.returncode == 2
-    line = _error_line(r)
+    _edit_json(tp2_copy / "manifest.json", lambda d: d.update(torch_version="2.11.0+cu130"))
+    line = _run_one_step_error(tp2_copy)
     assert "built with torch 2.11.0" in line and "rebuild" in line
 
 
@@ -111,24 +113,14 @@ def test_run_on_cuda_without_gpu_says_so(tp2_copy):
     assert "no CUDA GPU" in _error_line(r) and "--device cpu" in _error_line(r)
 
 
-def test_run_refuses_another_ranks_graph(debug_artifact, tmp_path):
-    dst = tmp_path / "art"
-    shutil.copytree(debug_artifact(tp=2), dst)
-    manifest = dst / "manifest.json"
-    doc = json.loads(manifest.read_text())
-    doc["ranks"][0]["forward"], doc["ranks"][1]["forward"] = doc["ranks"][1]["forward"], doc["ranks"][0]["forward"]
-    manifest.write_text(json.dumps(doc))
-    r = titan("run", dst, "--steps", 1)
-    assert r.returncode == 2
-    assert "never run another rank's graph" in _error_line(r)
+def test_run_refuses_another_ranks_graph(tp2_copy):
+    def swap(d):
+        d["ranks"][0]["forward"], d["ranks"][1]["forward"] = d["ranks"][1]["forward"], d["ranks"][0]["forward"]
+    _edit_json(tp2_copy / "manifest.json", swap)
+    assert "never run another rank's graph" in _run_one_step_error(tp2_copy)
 
 
 def test_run_rejects_another_artifact_format_version(tp2_copy):
-    manifest = tp2_copy / "manifest.json"
-    doc = json.loads(manifest.read_text())
-    doc["format_version"] = 2
-    manifest.write_text(json.dumps(doc))
-    r = titan("run", tp2_copy, "--steps", 1)
-    assert r.returncode == 2
-    line = _error_line(r)
+    _edit_json(tp2_copy / "manifest.json", lambda d: d.update(format_version=2))
+    line = _run_one_step_error(tp2_copy)
     assert "artifact format 2" in line and "rebuild it with this version's titan-build" in line
