@@ -19,7 +19,7 @@ from titan.builder.cache import Cache
 from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
 from titan.builder.layout import Layout, check_layout
 from titan.builder.models.llama3_config import DEFAULT_FLAVOR, FLAVORS, LlamaConfig
-from titan.builder.passes import DEFAULT_PASSES, check_pass_names
+from titan.builder.passes import check_passes, default_passes
 from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
 
 MODELS = {"llama3": FLAVORS}
@@ -45,7 +45,7 @@ class BuildSpec:
     """Forward/backward partitioner."""
     dtype: str = "float32"
     """Compute dtype (parameters and optimizer state stay float32)."""
-    graph_passes: tuple[str, ...] = DEFAULT_PASSES
+    graph_passes: tuple[str, ...]
     """Passes applied after partitioning, in order (builder/passes.py)."""
 
     @property
@@ -90,8 +90,9 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         raise ValueError(f"unknown --dtype {dtype!r}; use bf16 or fp32")
     # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
     dtype = DTYPES[dtype] if dtype else ("float32" if flavor == "debug" else "bfloat16")
-    passes = DEFAULT_PASSES if passes is None else tuple(passes)
-    check_pass_names(passes)
+    sizes = dict(layout.mesh_shape())
+    passes = default_passes(sizes) if passes is None else tuple(passes)
+    check_passes(passes, sizes)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes)
 

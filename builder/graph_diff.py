@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from titan.runtime.artifact import Artifact
 from titan.runtime.graph_doc import read_doc
 
-CATEGORIES = ("manifest", "rank metadata", "op targets", "inserted", "removed", "constants", "shapes",
-              "collectives", "wiring")
+CATEGORIES = ("manifest", "rank metadata", "static inputs", "bucket plan", "op targets", "inserted", "removed",
+              "constants", "shapes", "collectives", "wiring")
 _C10D = "_c10d_functional."
 # Manifest fields that say nothing about what was built.
 _MANIFEST_IGNORED = {"files", "ranks", "created", "name", "cache_key"}
@@ -83,6 +83,10 @@ def _short(v) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
 def _dict_diff(a: dict, b: dict, where: str, category: str, prefix: str = "") -> list[Difference]:
     out = []
     for key in sorted(set(a) | set(b), key=str):
@@ -91,8 +95,35 @@ def _dict_diff(a: dict, b: dict, where: str, category: str, prefix: str = "") ->
             continue
         if isinstance(x, dict) and isinstance(y, dict):
             out += _dict_diff(x, y, where, category, f"{prefix}{key}.")
+        elif _str_list(x) and _str_list(y) and set(x) != set(y):
+            change = [f"-{v}" for v in x if v not in y] + [f"+{v}" for v in y if v not in x]
+            out.append(Difference(where, category, f"{prefix}{key}: {' '.join(change)}"))
         else:
             out.append(Difference(where, category, f"{prefix}{key}: {_short(x)} -> {_short(y)}"))
+    return out
+
+
+def _bucket_key(b: dict) -> tuple:
+    return (b["graph"], b["kind"], b["group"], b["block"])
+
+
+def _bucket_text(b: dict) -> str:
+    return (f"{b['graph']} {b['kind'].replace('_', '-')} bucket on {b['group']} for {b['block']}: "
+            f"{len(b['params'])} params, {b['elements']:,} elements {b['dtype']}")
+
+
+def _plan_diff(a: list[dict], b: list[dict]) -> list[Difference]:
+    ka, kb = {_bucket_key(x): x for x in a}, {_bucket_key(x): x for x in b}
+    out = []
+    for key in [k for k in ka if k not in kb]:
+        out.append(Difference("rank", "bucket plan", f"removed {_bucket_text(ka[key])}", module=key[3]))
+    for key in [k for k in kb if k not in ka]:
+        out.append(Difference("rank", "bucket plan", f"added {_bucket_text(kb[key])}", module=key[3]))
+    for key in [k for k in ka if k in kb and ka[k] != kb[k]]:
+        x, y = ka[key], kb[key]
+        changed = [f"{f}: {_short(x[f])} -> {_short(y[f])}" for f in sorted(x) if x[f] != y.get(f)]
+        out.append(Difference("rank", "bucket plan", f"changed {_bucket_text(x)}: {'; '.join(changed)}",
+                              module=key[3]))
     return out
 
 
@@ -101,7 +132,11 @@ def _meta_diff(a: dict, b: dict) -> list[Difference]:
     b = {k: v for k, v in b.items() if k not in _META_IGNORED}
     pa = {p["fqn"]: p for p in a.pop("params", [])}
     pb = {p["fqn"]: p for p in b.pop("params", [])}
-    out = _dict_diff(a, b, "rank", "rank metadata")
+    out = _plan_diff(a.pop("bucket_plan", []), b.pop("bucket_plan", []))
+    sa, sb = a.pop("static_input_indices", []), b.pop("static_input_indices", [])
+    if sa != sb:
+        out.append(Difference("rank", "static inputs", f"static input indices: {_short(sa)} -> {_short(sb)}"))
+    out += _dict_diff(a, b, "rank", "rank metadata")
     for fqn in sorted(set(pa) | set(pb)):
         x, y = pa.get(fqn), pb.get(fqn)
         if x is None or y is None:

@@ -78,4 +78,18 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
             call = f"{target}({args}{', ' if args and kwargs else ''}{kwargs})"
             lines.append(f"{mark}%{i:<5} {_fmt_val(n.get('val')):<24} = {call}{module}")
     lines.append(f"{collectives} collectives (marked **)")
+    lines += list_bucket_plan(meta, kind)
+    return lines
+
+
+def list_bucket_plan(meta: dict, kind: str) -> list[str]:
+    """The rank's collective buckets in this graph (from the bucketing passes), one per line."""
+    plan = [b for b in meta.get("bucket_plan", []) if b["graph"] == kind]
+    if not plan:
+        return [f"bucket plan ({kind}): none (every collective on its own)"]
+    lines = [f"bucket plan ({kind}): {len(plan)} buckets"]
+    for b in plan:
+        lines.append(f"  {b['kind'].replace('_', '-'):<14} on {b['group']:<12} {b['block']:<16} "
+                     f"{len(b['params']):>3} params {b['elements']:>13,} elements {b['dtype']:<9} "
+                     f"{b['bytes'] / 2**20:>9.2f} MiB: {', '.join(p.removeprefix(b['block'] + '.') for p in b['params'])}")
     return lines

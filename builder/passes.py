@@ -1,19 +1,35 @@
-"""Graph passes: each `name_pass(gm) -> gm` does one job, is chosen by name from PASSES
-(`titan-build --passes`), and is recorded in the artifact's pass list (and so in the cache key).
+"""Graph passes: each `name_pass(gm, *, ctx) -> gm` does one job, is chosen by name from
+PASSES (`titan-build --passes`), and is recorded in the artifact's pass list (and so in the
+cache key). Passes run on the forward and on the backward graph, after partitioning.
 
 This module imports torch only inside the passes: the registry is read on the cache-hit path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch.fx as fx
 
 
-def mask_index_put_to_where_pass(gm: fx.GraphModule) -> fx.GraphModule:
+@dataclass(kw_only=True, slots=True)
+class PassContext:
+    graph: str
+    """'forward' or 'backward'."""
+    mesh_dims: dict[str, str]
+    """Process-group name -> mesh dimension ('tp', 'dp_shard', 'dp_replicate')."""
+    input_names: list[str | None]
+    """Per graph input: the parameter it holds, else None."""
+    output_names: list[str | None]
+    """Per graph output: the parameter whose gradient it is, else None."""
+    plan: list[dict] = field(default_factory=list)
+    """Bucket records the passes add (the rank's bucket plan)."""
+
+
+def mask_index_put_to_where_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     """index_put(x, [bool_mask], scalar) -> where(mask, scalar, x).
 
     The vocab-parallel embedding masks out-of-shard ids this way. A boolean-mask index_put
@@ -54,27 +70,57 @@ def mask_index_put_to_where_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 @dataclass(frozen=True)
 class GraphPass:
-    fn: Callable[[fx.GraphModule], fx.GraphModule]
-    """The pass; applied to the forward and to the backward graph."""
+    target: str
+    """'module:function' of the pass (imported when the pass runs)."""
     preserves_numerics: bool
     """False for passes whose results may differ from eager (opt-in, labeled)."""
     summary: str
     """One line for --list-passes."""
+    needs: tuple[str, ...] = ()
+    """Mesh dimensions the layout must have (size > 1) for the pass to apply."""
+
+    @property
+    def fn(self) -> Callable[..., fx.GraphModule]:
+        module, name = self.target.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
 PASSES: dict[str, GraphPass] = {
     "mask_index_put_to_where": GraphPass(
-        mask_index_put_to_where_pass, True,
+        "titan.builder.passes:mask_index_put_to_where_pass", True,
         "boolean-mask index_put -> where: same bits, no host sync (lets CUDA graphs capture the "
         "vocab-parallel embedding)"),
+    "bucket_all_gather": GraphPass(
+        "titan.builder.bucketing:bucket_all_gather_pass", True,
+        "one FSDP all-gather per transformer block on a flat buffer (copies only: same bits)",
+        needs=("dp_shard",)),
+    "bucket_reduce_scatter": GraphPass(
+        "titan.builder.bucketing:bucket_reduce_scatter_pass", True,
+        "one FSDP gradient reduce-scatter per transformer block on a flat buffer (each element "
+        "summed over the same ranks)", needs=("dp_shard",)),
+    "overlap_collectives": GraphPass(
+        "titan.builder.overlap:overlap_collectives_pass", True,
+        "reorder only: issue collectives early (FSDP all-gathers one block ahead), wait late "
+        "(reduce-scatters behind the next block's backward)"),
 }
-# Applied, in this order, when --passes is not given.
-DEFAULT_PASSES = ("mask_index_put_to_where",)
 
 
-def check_pass_names(names: tuple[str, ...]) -> None:
+def default_passes(mesh_sizes: dict[str, int]) -> tuple[str, ...]:
+    """The numerics-preserving set that applies to a layout, in order."""
+    fsdp = mesh_sizes.get("dp_shard", 1) > 1
+    return ("mask_index_put_to_where",
+            *(("bucket_all_gather", "bucket_reduce_scatter") if fsdp else ()),
+            "overlap_collectives")
+
+
+def check_passes(names: tuple[str, ...], mesh_sizes: dict[str, int]) -> None:
+    """Refuse unknown, repeated, or inapplicable passes (a pass never silently skips)."""
     for name in names:
         if name not in PASSES:
             raise ValueError(f"unknown pass {name!r}; titan-build --list-passes shows them")
+        for dim in PASSES[name].needs:
+            if mesh_sizes.get(dim, 1) < 2:
+                raise ValueError(f"pass {name} needs --{dim.replace('_', '-')} > 1 in the layout; "
+                                 "drop it from --passes")
     if len(set(names)) != len(names):
         raise ValueError(f"--passes lists a pass twice: {', '.join(names)}")

@@ -25,7 +25,7 @@ from titan.builder.layout import Layout
 from titan.builder.models.llama3 import Llama3, init_specs
 from titan.builder.models.llama3_config import LlamaConfig
 from titan.builder.parallelize import build_mesh, parallelize
-from titan.builder.passes import PASSES
+from titan.builder.passes import PASSES, PassContext
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
@@ -144,21 +144,26 @@ def trace_rank(job: RankJob) -> RankResult:
             # The partitioners rewrite the joint graph in place: give them a copy.
             joint_copy = copy_graph_module(gm)
             fw, bw = PARTITION_FNS[job.partitioner](joint_copy, None, num_fwd_outputs=1)
-            for name in job.passes:
-                fw, bw = PASSES[name].fn(fw), PASSES[name].fn(bw)
             t_partition = time.perf_counter()
+            groups = _group_names(mesh)
+            param_names = [inp.get("fqn") for inp in joint_inputs if inp["kind"] != "tangent"]
+            fw_ctx = PassContext(graph="forward", mesh_dims=groups, input_names=param_names, output_names=[])
+            bw_ctx = PassContext(graph="backward", mesh_dims=groups, input_names=[], output_names=param_names)
+            for name in job.passes:
+                fw, bw = PASSES[name].fn(fw, ctx=fw_ctx), PASSES[name].fn(bw, ctx=bw_ctx)
+            t_passes = time.perf_counter()
         # Encode after the export context (and its fake mode) has closed: constants are real.
-        groups = _group_names(mesh)
         fw_blob = encode_graph(fw, group_names=groups)
         bw_blob = encode_graph(bw, group_names=groups)
         meta = _rank_meta(job, coords, shards, joint_inputs, fw, bw)
+        meta["bucket_plan"] = fw_ctx.plan + bw_ctx.plan
         t_end = time.perf_counter()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return RankResult(rank=rank, forward=fw_blob, backward=bw_blob, meta=meta,
                       timings={"export_s": t_export - t0, "partition_s": t_partition - t_export,
-                               "encode_s": t_end - t_partition})
+                               "passes_s": t_passes - t_partition, "encode_s": t_end - t_passes})
 
 
 def _rank_meta(job: RankJob, coords: dict, shards, joint_inputs: list[dict],

@@ -36,11 +36,13 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
          jobs, cache_dir, explain):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     if list_passes:
-        from titan.builder.passes import DEFAULT_PASSES, PASSES
+        from titan.builder.passes import PASSES, default_passes
+        defaults = default_passes({"dp_shard": 2})
         for name, p in PASSES.items():
             label = "numerics-preserving" if p.preserves_numerics else "CHANGES NUMERICS (opt-in)"
-            default = ", default" if name in DEFAULT_PASSES else ""
-            click.echo(f"{name} [{label}{default}]: {p.summary}")
+            default = ", default" if name in defaults else ""
+            needs = f", needs {' and '.join('--' + d.replace('_', '-') + ' > 1' for d in p.needs)}" if p.needs else ""
+            click.echo(f"{name} [{label}{default}{needs}]: {p.summary}")
         return
     from titan.builder.build import build, make_spec, nearest_entry
     from titan.builder.cache import Cache

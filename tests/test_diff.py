@@ -54,7 +54,7 @@ def test_builds_with_different_passes_show_what_changed(debug_artifact):
     code, report = _diff_json(a, b, "--rank", 0)
     assert code == 1
     assert [d["detail"] for d in _by(report, "manifest")] == [
-        'passes: ["partition:min_cut", "mask_index_put_to_where"] -> ["partition:default", "mask_index_put_to_where"]']
+        "passes: -partition:min_cut +partition:default"]
     assert any(d["detail"].startswith("saved_activations: 57 -> ") for d in _by(report, "rank"))
     cats = {d["category"] for d in _by(report, "forward") + _by(report, "backward")}
     assert {"inserted", "removed"} <= cats and "collectives" not in cats
@@ -94,3 +94,17 @@ def test_show_lists_inputs_collectives_and_the_saved_boundary(debug_artifact):
     marked = [line for line in out.splitlines() if line.startswith("**")]
     assert marked and all("_c10d_functional." in line and "group=tp" in line for line in marked)
     assert "gradients: tok_embeddings.weight=" in out
+
+
+def test_builds_with_and_without_bucketing_show_the_buckets_and_collectives(debug_artifact):
+    plain = debug_artifact(dp_shard=2, extra=("--passes", "mask_index_put_to_where"))
+    code, report = _diff_json(plain, debug_artifact(dp_shard=2), "--rank", 0)
+    assert code == 1
+    plan = sorted(d["detail"].split(":")[0] for d in report["differences"] if d["category"] == "bucket plan")
+    blocks = ("layers.0", "layers.1", "norm", "output", "tok_embeddings")
+    assert plan == sorted([f"added forward all-gather bucket on dp_shard for {b}" for b in blocks]
+                          + [f"added backward reduce-scatter bucket on dp_shard for {b}" for b in blocks])
+    coll = [d for d in report["differences"] if d["category"] == "collectives"]
+    assert {d["where"] for d in coll} == {"forward", "backward"}
+    assert any("all_gather_into_tensor" in d["detail"] for d in coll if d["where"] == "forward")
+    assert any("reduce_scatter_tensor" in d["detail"] for d in coll if d["where"] == "backward")

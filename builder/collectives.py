@@ -1,0 +1,129 @@
+"""Functional collectives in a traced graph, and the node-order tools the passes share.
+
+A collective in these graphs is a start node (`_c10d_functional.all_gather_into_tensor`,
+`reduce_scatter_tensor`, `all_reduce`) whose one user is a `wait_tensor`. At run time the
+start issues the collective on the process group's stream (which first waits for the work
+already queued on the compute stream) and the wait makes the compute stream wait for its
+result. Node order is therefore schedule: what sits between a start and its wait overlaps
+with the collective. Moving nodes never changes what any node computes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+c10d = torch.ops._c10d_functional
+ALL_GATHER = c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
+ALL_REDUCE = c10d.all_reduce.default
+WAIT = c10d.wait_tensor.default
+STARTS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+
+
+@dataclass(frozen=True)
+class Collective:
+    start: fx.Node
+    """The node that issues the collective."""
+    wait: fx.Node
+    """Its wait_tensor."""
+
+    @property
+    def group(self) -> str:
+        """Process-group name (the last positional argument of every start op)."""
+        return self.start.args[-1]
+
+
+def collectives(graph: fx.Graph) -> list[Collective]:
+    """Every collective of the graph, in node order."""
+    out = []
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in STARTS:
+            waits = [u for u in n.users if u.target is WAIT]
+            assert len(waits) == 1 and len(n.users) == 1, f"{n} should have exactly one user, its wait"
+            out.append(Collective(n, waits[0]))
+    return out
+
+
+def module_path(node: fx.Node) -> str:
+    return str((node.meta.get("custom") or {}).get("module", ""))
+
+
+def block_of(module: str) -> str:
+    """'layers.3.attention.wq' -> 'layers.3'; 'output' -> 'output'."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]
+
+
+def positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def move_after(anchor: fx.Node, nodes: list[fx.Node]) -> None:
+    """Place `nodes`, in the given order, right after `anchor`."""
+    for n in reversed(nodes):
+        anchor.append(n)
+
+
+def hoist_ancestors(node: fx.Node, before: fx.Node) -> None:
+    """Move the non-placeholder ancestors of `node` that sit after `before` to just before it,
+    keeping their relative order (each is moved after its own inputs)."""
+    pos = positions(node.graph)
+    limit = pos[before]
+    late: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in late or n.op == "placeholder" or pos[n] < limit:
+            continue
+        late.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(late, key=pos.__getitem__):
+        before.prepend(n)
+
+
+def stable_toposort(graph: fx.Graph) -> None:
+    """Reorder so that every node follows its inputs, otherwise keeping the current order as
+    closely as possible (among ready nodes, the earliest goes first)."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    missing = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [pos[n] for n in nodes if missing[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        n = nodes[heapq.heappop(ready)]
+        order.append(n)
+        for u in n.users:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(ready, pos[u])
+    assert len(order) == len(nodes), "graph has a cycle"
+    if order == nodes:
+        return
+    output = order[-1]
+    assert output.op == "output"
+    for n in order[:-1]:
+        output.prepend(n)
+
+
+def emit(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *,
+         like: fx.Node | None = None) -> fx.Node:
+    """Insert a call of `target` (at the graph's current insertion point) with meta['val']
+    computed by running it on the argument nodes' fake values, and provenance from `like`."""
+    from torch._guards import detect_fake_mode
+
+    vals = fx.node.map_arg(args, lambda a: a.meta["val"])
+    flat = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(flat)
+    assert mode is not None, "passes run on traced graphs whose values are fake tensors"
+    with mode:
+        val = target(*vals, **(kwargs or {}))
+    n = graph.call_function(target, args, kwargs)
+    n.meta["val"] = val
+    if like is not None and "custom" in like.meta:
+        n.meta["custom"] = dict(like.meta["custom"])
+    return n
