@@ -11,7 +11,10 @@ eager:   DTensor TP (with sequence parallel; DTensor parameters, bf16 autocast) 
          for fsdp; torch.optim.AdamW defaults (foreach).
 compile: the same, each transformer block torch.compile'd; 'compile' starts from an empty
          inductor cache, 'compile-warm' reuses it.
-titan:   titan-build (outside the timed run; a cache hit when built before), then titan-run.
+titan:   titan-build (outside the timed run; a cache hit when built before), then titan-run
+         with the default passes and CUDA graphs. Ablation rows (TITAN_VARIANTS): titan-nopass
+         (no bucketing, no overlap), titan-bucket (FSDP bucketing without reordering),
+         titan-overlap (reordering without bucketing), titan-nocg (default passes, no CUDA graphs).
 
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
 bf16 matmul rate measured here, time from process start to the end of the first step,
@@ -34,6 +37,16 @@ from pathlib import Path
 PEAK_TFLOPS = 989.0
 LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsdp2": dict(dp_shard=2),
            "dp2tp2": dict(dp_shard=2, tp=2), "tp2dp2": dict(dp_shard=2, tp=2)}
+
+
+# mode -> (--passes for titan-build or None for the default set, extra titan-run flags, needs FSDP)
+TITAN_VARIANTS = {
+    "titan": (None, [], False),
+    "titan-nopass": ("mask_index_put_to_where", [], False),
+    "titan-bucket": ("mask_index_put_to_where,bucket_all_gather,bucket_reduce_scatter", [], True),
+    "titan-overlap": ("mask_index_put_to_where,overlap_collectives", [], False),
+    "titan-nocg": (None, ["--no-cuda-graphs"], False),
+}
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -178,19 +191,22 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
     if mode == "compile":
         shutil.rmtree(tmp / "inductor", ignore_errors=True)
-    if mode == "titan":
-        art = tmp / f"titan-{layout}"
+    if mode in TITAN_VARIANTS:
+        passes, run_flags, _ = TITAN_VARIANTS[mode]
+        art = tmp / f"{mode}-{layout}"
         build = [sys.executable, "-m", "titan.cli.build", "--flavor", opts.flavor, "--seq-len", str(opts.seq_len),
                  "--batch-size", str(opts.batch_size), "--dtype", "bf16", "--out", str(art)]
+        if passes is not None:
+            build += ["--passes", passes]
         for k, v in LAYOUTS[layout].items():
             build += [f"--{k.replace('_', '-')}", str(v)]
         if opts.flavor == "debug":
             build[build.index("bf16")] = "fp32"  # CPU smoke test
         subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
-        metrics = tmp / f"{layout}-titan.jsonl"
+        metrics = tmp / f"{layout}-{mode}.jsonl"
         t0 = time.time()
         wall = _spawn([sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
-                       "--metrics", str(metrics)], world, env)
+                       "--metrics", str(metrics), *run_flags], world, env)
         recs = [json.loads(line) for line in metrics.read_text().splitlines()]
         res = {"step_times": [r["step_time_s"] for r in recs], "losses": [r["loss"] for r in recs],
                "first_step_s": recs[0]["time"] - t0, "peak_gib": recs[-1].get("peak_mem_gib", 0.0)}
@@ -230,6 +246,8 @@ def main() -> None:
             dp = LAYOUTS[layout].get("dp_shard", 1)
             results = {}
             for mode in opts.modes.split(","):
+                if TITAN_VARIANTS.get(mode, (None, None, False))[2] and dp < 2:
+                    continue  # FSDP-only ablation row
                 try:
                     r = run_mode(mode, layout, opts, Path(tmp))
                 except (SystemExit, subprocess.CalledProcessError) as e:

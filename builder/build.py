@@ -19,7 +19,7 @@ from titan.builder.cache import Cache
 from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
 from titan.builder.layout import Layout, check_layout
 from titan.builder.models.llama3_config import DEFAULT_FLAVOR, FLAVORS, LlamaConfig
-from titan.builder.passes import check_passes, default_passes
+from titan.builder.passes import AC_POLICIES, check_passes, default_passes
 from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
 
 MODELS = {"llama3": FLAVORS}
@@ -45,6 +45,8 @@ class BuildSpec:
     """Forward/backward partitioner."""
     dtype: str = "float32"
     """Compute dtype (parameters and optimizer state stay float32)."""
+    ac: str = "none"
+    """Activation checkpointing policy (builder/checkpointing.py)."""
     graph_passes: tuple[str, ...]
     """Passes applied after partitioning, in order (builder/passes.py)."""
 
@@ -67,7 +69,7 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int,
               batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
-              dtype: str | None = None, passes: tuple[str, ...] | None = None) -> BuildSpec:
+              dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none") -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; available: {', '.join(MODELS)}")
@@ -90,11 +92,13 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         raise ValueError(f"unknown --dtype {dtype!r}; use bf16 or fp32")
     # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
     dtype = DTYPES[dtype] if dtype else ("float32" if flavor == "debug" else "bfloat16")
+    if ac not in AC_POLICIES:
+        raise ValueError(f"unknown --ac {ac!r}; use one of {', '.join(AC_POLICIES)}")
     sizes = dict(layout.mesh_shape())
     passes = default_passes(sizes) if passes is None else tuple(passes)
     check_passes(passes, sizes)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
-                     partitioner=partitioner, dtype=dtype, graph_passes=passes)
+                     partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac)
 
 
 @dataclass(kw_only=True)
@@ -122,7 +126,7 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int):
                                 max_tasks_per_child=1) as pool:
         futures = [pool.submit(trace_rank, RankJob(cfg=spec.cfg, layout=spec.layout, rank=r,
                                                    batch_size=spec.batch_size, seq_len=spec.seq_len,
-                                                   partitioner=spec.partitioner, dtype=spec.dtype,
+                                                   partitioner=spec.partitioner, dtype=spec.dtype, ac=spec.ac,
                                                    passes=spec.graph_passes))
                    for r in ranks]
         for fut in cf.as_completed(futures):
@@ -152,6 +156,7 @@ def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
         "batch_size": spec.batch_size,
         "seq_len": spec.seq_len,
         "dtype": factors["dtype"],
+        "ac": factors["activation checkpointing"],
         "param_dtype": "float32",
         "torch_version": installed_torch_version(),
         "builder_version": factors["builder version"],

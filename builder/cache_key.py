@@ -35,6 +35,7 @@ def build_factors(spec) -> dict:
         "seq len": spec.seq_len,
         "passes": list(spec.passes),
         "dtype": spec.dtype,
+        "activation checkpointing": spec.ac,
         "torch version": torch_release(installed_torch_version()),
         "builder version": builder_version(),
         # Graphs are device-agnostic today (attention dispatches at run time); kernel-generating

@@ -105,6 +105,10 @@ PASSES: dict[str, GraphPass] = {
 }
 
 
+# Activation checkpointing policies (titan-build --ac; applied by builder/checkpointing.py).
+AC_POLICIES = ("none", "full", "selective")
+
+
 def default_passes(mesh_sizes: dict[str, int]) -> tuple[str, ...]:
     """The numerics-preserving set that applies to a layout, in order."""
     fsdp = mesh_sizes.get("dp_shard", 1) > 1

@@ -20,6 +20,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from titan.builder.checkpointing import tag_activation_checkpointing
 from titan.builder.graph_writer import encode_graph
 from titan.builder.layout import Layout
 from titan.builder.models.llama3 import Llama3, init_specs
@@ -46,6 +47,8 @@ class RankJob:
     """Forward/backward partitioner name (see PARTITION_FNS)."""
     dtype: str = "float32"
     """Compute dtype."""
+    ac: str = "none"
+    """Activation checkpointing policy (passes.AC_POLICIES)."""
     passes: tuple[str, ...] = ()
     """Graph passes applied to both graphs after partitioning, by name (see passes.PASSES)."""
 
@@ -143,6 +146,7 @@ def trace_rank(job: RankJob) -> RankResult:
             joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
             # The partitioners rewrite the joint graph in place: give them a copy.
             joint_copy = copy_graph_module(gm)
+            tag_activation_checkpointing(joint_copy, job.ac)
             fw, bw = PARTITION_FNS[job.partitioner](joint_copy, None, num_fwd_outputs=1)
             t_partition = time.perf_counter()
             groups = _group_names(mesh)
@@ -164,6 +168,12 @@ def trace_rank(job: RankJob) -> RankResult:
     return RankResult(rank=rank, forward=fw_blob, backward=bw_blob, meta=meta,
                       timings={"export_s": t_export - t0, "partition_s": t_partition - t_export,
                                "passes_s": t_passes - t_partition, "encode_s": t_end - t_passes})
+
+
+def _nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 0
 
 
 def _rank_meta(job: RankJob, coords: dict, shards, joint_inputs: list[dict],
@@ -197,6 +207,7 @@ def _rank_meta(job: RankJob, coords: dict, shards, joint_inputs: list[dict],
         "forward_inputs": fw_inputs,
         "static_input_indices": [i for i, inp in enumerate(fw_inputs) if inp["kind"] == "param"],
         "saved_activations": n_saved,
+        "saved_bytes": sum(_nbytes(v.meta.get("val")) for v in fw_outputs[1:]),
         "backward_outputs": grads,
         # Every data- and tensor-parallel reduction is inside the backward graph.
         "grad_reductions_owed": {},

@@ -24,6 +24,9 @@ from titan.cli.errors import user_errors
 @click.option("--passes", "passes", default=None,
               help="Graph passes after partitioning, comma-separated, in order ('' for none; default: "
                    "the numerics-preserving set). --list-passes shows them.")
+@click.option("--ac", default="none", show_default=True, type=click.Choice(["none", "full", "selective"]),
+              help="Activation checkpointing: recompute block activations in the backward (full), or all but "
+                   "matmul/attention outputs (selective).")
 @click.option("--list-passes", is_flag=True, help="Describe the available passes and exit.")
 @click.option("--partitioner", default="min_cut", show_default=True, help="Forward/backward partitioner: min_cut or default.")
 @click.option("--out", default=None, type=click.Path(path_type=Path), help="Output directory (default: artifacts/<name>).")
@@ -32,7 +35,7 @@ from titan.cli.errors import user_errors
               help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @user_errors
-def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, list_passes, partitioner, out,
+def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, ac, list_passes, partitioner, out,
          jobs, cache_dir, explain):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     if list_passes:
@@ -49,7 +52,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     from titan.builder.cache_key import build_factors
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
-                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype,
+                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p))
     out = out or Path("artifacts") / spec.name
     jobs = jobs or os.cpu_count() or 1
@@ -60,8 +63,11 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
 
     def progress(res):
         t = res.timings
-        click.echo(f"  rank {res.rank}: traced in {t['export_s']:.1f} s, partitioned in {t['partition_s']:.1f} s "
-                   f"({res.meta['saved_activations']} saved activations)")
+        meta = res.meta
+        state = sum(_numel(p["local_shape"]) for p in meta["params"]) * 16  # fp32 param, grad, 2 AdamW moments
+        click.echo(f"  rank {res.rank}: traced in {t['export_s']:.1f} s, partitioned in {t['partition_s']:.1f} s, "
+                   f"passes {t['passes_s']:.1f} s; memory: {meta['saved_activations']} saved activations "
+                   f"{meta['saved_bytes'] / 2**30:.2f} GiB + params/grads/AdamW {state / 2**30:.2f} GiB")
 
     cache = Cache(cache_dir)
 
@@ -84,6 +90,13 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     graphs = sum(1 for rel in manifest["files"] if rel.startswith("graphs/"))
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {graphs} distinct graphs for {world} ranks) "
                f"in {time.perf_counter() - t0:.1f} s")
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 if __name__ == "__main__":
