@@ -143,7 +143,10 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        reported = loss.detach().clone()
+        if layout.dp_degree > 1:  # the mean loss over the global batch, as titan-run reports it
+            dist.all_reduce(reported, group=mesh["dp_shard"].get_group())
+        losses.append(reported.item())
         times.append(time.perf_counter() - t0)
         if first_step_end is None:
             first_step_end = time.time() - t_start

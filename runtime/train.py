@@ -198,6 +198,11 @@ def rank_main(artifact_path: str, cfg: RunConfig,
         return 2
     except KeyboardInterrupt:
         return 130
+    except torch.OutOfMemoryError as e:
+        first = str(e).strip().splitlines()[0][:200]
+        print(f"error: rank {env.rank}: out of GPU memory ({first}); rebuild the artifact with activation "
+              "checkpointing (titan-build --ac full), a smaller --batch-size, or more ranks", file=sys.stderr, flush=True)
+        return 1
     except RuntimeError as e:
         if not dist.is_initialized():
             raise
