@@ -128,3 +128,18 @@ def test_missing_tokenizer_package_names_the_install_command(tmp_path):
     assert r.stderr.strip() == (f"error: --tokenizer {tmp_path / 'tokenizer.json'} is a tokenizer.json, which needs "
                                 "the tokenizers package: pip install 'titan-aot[data]' (or: pip install tokenizers "
                                 "tiktoken)")
+
+
+def test_sidecar_must_describe_its_token_file(tmp_path):
+    from titan.runtime.data import token_file_dtype
+
+    path = tmp_path / "ids.bin"
+    np.arange(100, dtype="<u2").tofile(path)
+    side = {"format": "titan-tokens", "format_version": 1, "dtype": "uint16", "vocab_size": 100, "tokens": 100}
+    (tmp_path / "ids.bin.json").write_text(json.dumps(side))
+    assert token_file_dtype(path, dtype=None, vocab_size=2048) == "uint16"
+    np.arange(99, dtype="<u2").tofile(path)  # replaced behind the sidecar's back
+    with pytest.raises(ValueError) as e:
+        token_file_dtype(path, dtype=None, vocab_size=2048)
+    assert str(e.value) == (f"--data {path}: its size does not match the 100 uint16 tokens its sidecar "
+                            f"{path}.json records (file replaced or truncated?); rewrite both with titan-data")
