@@ -84,7 +84,9 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str) -> TextTo
         ids = list(tok.get_vocab(with_added_tokens=True).values())
         vocab = max(tok.get_vocab_size(with_added_tokens=True), max(ids) + 1 if ids else 0)
         lookup = tok.token_to_id
-        encode = lambda text: tok.encode(text).ids  # noqa: E731
+
+        def encode(text: str) -> list[int]:
+            return tok.encode(text).ids
         record.update(kind="tokenizers", spec=None)
     else:
         try:
@@ -104,7 +106,9 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str) -> TextTo
         bos = special["<|begin_of_text|>"]
         vocab = n + LLAMA3_SPECIAL_COUNT
         lookup = special.get
-        encode = lambda text: [bos, *enc.encode(text, allowed_special=set(), disallowed_special=())]  # noqa: E731
+
+        def encode(text: str) -> list[int]:
+            return [bos, *enc.encode(text, allowed_special=set(), disallowed_special=())]
         record.update(kind="tiktoken", spec=tiktoken_spec)
     if eos == "none":
         eos_id = None
