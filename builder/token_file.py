@@ -7,7 +7,9 @@ Tokenizers, both optional dependencies (`pip install 'titan-aot[data]'`):
   a named spec for what the file does not hold, the pre-tokenizer pattern and the special
   tokens. `llama3`: Llama-3's pattern and 256 special tokens numbered after the ranks,
   <|begin_of_text|> = n, <|end_of_text|> = n + 1 (n ranks); each document is encoded as
-  <|begin_of_text|> + text, so the ranks file and Llama-3's tokenizer.json give the same ids.
+  <|begin_of_text|> + text, so the ranks file and Llama-3's tokenizer.json give the same ids
+  (except where a long document is cut as Llama-3's reference tokenizer cuts it: see
+  _llama3_pieces).
 In a tiktoken document, special-token text is encoded as plain text, never as a special
 token; a tokenizer.json matches its own added tokens in text, as it defines.
 
@@ -22,6 +24,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,18 +35,23 @@ import numpy as np
 from titan.runtime.data import sidecar_path
 
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+# Documents handed to the tokenizer at once (both libraries encode a batch on several threads).
+DOCUMENTS_PER_BATCH = 256
 INSTALL_HINT = "pip install 'titan-aot[data]' (or: pip install tokenizers tiktoken)"
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPECIAL_COUNT = 256
 TIKTOKEN_SPECS = ("llama3",)
+LLAMA3_SLICE_CHARS = 400_000
+LLAMA3_RUN_CHARS = 25_000
+_LONG_RUN = re.compile(rf"\s{{{LLAMA3_RUN_CHARS + 1},}}|\S{{{LLAMA3_RUN_CHARS + 1},}}")
 
 
 @dataclass(kw_only=True, slots=True)
 class TextTokenizer:
-    encode: Callable[[str], list[int]]
-    """Text of one document -> its token ids (without the separator)."""
+    encode: Callable[[list[str]], list[list[int]]]
+    """Documents -> each one's token ids (without the separator)."""
     vocab_size: int
     """Every id is below this."""
     eos_id: int | None
@@ -85,8 +93,8 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str) -> TextTo
         vocab = max(tok.get_vocab_size(with_added_tokens=True), max(ids) + 1 if ids else 0)
         lookup = tok.token_to_id
 
-        def encode(text: str) -> list[int]:
-            return tok.encode(text).ids
+        def encode(texts: list[str]) -> list[list[int]]:
+            return [e.ids for e in tok.encode_batch(texts)]
         record.update(kind="tokenizers", spec=None)
     else:
         try:
@@ -107,8 +115,10 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str) -> TextTo
         vocab = n + LLAMA3_SPECIAL_COUNT
         lookup = special.get
 
-        def encode(text: str) -> list[int]:
-            return [bos, *enc.encode(text, allowed_special=set(), disallowed_special=())]
+        def encode(texts: list[str]) -> list[list[int]]:
+            pieces = [_llama3_pieces(t) for t in texts]
+            ids = iter(enc.encode_ordinary_batch([p for ps in pieces for p in ps]))
+            return [[bos, *(i for _ in ps for i in next(ids))] for ps in pieces]
         record.update(kind="tiktoken", spec=tiktoken_spec)
     if eos == "none":
         eos_id = None
@@ -119,6 +129,21 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str) -> TextTo
     else:
         eos_id = next((i for i in map(lookup, EOS_CANDIDATES) if i is not None), None)
     return TextTokenizer(encode=encode, vocab_size=vocab, eos_id=eos_id, record=record)
+
+
+def _llama3_pieces(text: str) -> list[str]:
+    """Cut a document as Llama-3's reference tokenizer does before encoding (its tiktoken
+    backend fails on very long inputs): into slices of LLAMA3_SLICE_CHARS characters, and
+    inside those every LLAMA3_RUN_CHARS characters of one unbroken run of whitespace or of
+    non-whitespace."""
+    pieces = []
+    for start in range(0, len(text), LLAMA3_SLICE_CHARS):
+        part = text[start:start + LLAMA3_SLICE_CHARS]
+        cuts = [cut for run in _LONG_RUN.finditer(part)
+                for cut in range(run.start() + LLAMA3_RUN_CHARS, run.end(), LLAMA3_RUN_CHARS)]
+        bounds = [0, *cuts, len(part)]
+        pieces += [part[a:b] for a, b in zip(bounds, bounds[1:])]
+    return pieces
 
 
 def _read_ranks(path: Path) -> dict[bytes, int]:
@@ -148,6 +173,17 @@ def documents(paths: list[Path], *, per_line: bool) -> Iterator[str]:
             yield from (line for line in text.splitlines() if line.strip())
         elif text:
             yield text
+
+
+def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 @dataclass(kw_only=True, slots=True)
@@ -181,13 +217,13 @@ def write_token_file(texts: list[Path], out: Path, tokenizer: TextTokenizer, *, 
     tmp = _temp_path(out)
     try:
         with open(tmp, "xb") as f:
-            for text in documents(texts, per_line=per_line):
-                ids = tokenizer.encode(text)
-                if tokenizer.eos_id is not None:
-                    ids.append(tokenizer.eos_id)
-                f.write(np.asarray(ids, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
-                count += len(ids)
-                docs += 1
+            for batch in _batches(documents(texts, per_line=per_line), DOCUMENTS_PER_BATCH):
+                for ids in tokenizer.encode(batch):
+                    if tokenizer.eos_id is not None:
+                        ids.append(tokenizer.eos_id)
+                    f.write(np.asarray(ids, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
+                    count += len(ids)
+                docs += len(batch)
         if count == 0:
             raise ValueError(f"no text in {', '.join(map(str, texts))}: nothing to tokenize")
         os.replace(tmp, out)

@@ -69,16 +69,21 @@ def test_tokenizer_json_to_a_training_run(tmp_path, debug_artifact):
 
 def test_tiktoken_ranks_file_with_llama3_specials(tmp_path):
     pytest.importorskip("tiktoken")
-    _ranks_file(tmp_path / "tokenizer.model", [b"th", b"the", b" t", b" th", b" the"])
-    (tmp_path / "doc.txt").write_text("the the")
-    (tmp_path / "doc2.txt").write_text("<|end_of_text|>")
+    _ranks_file(tmp_path / "tokenizer.model", [b"th", b"the", b" t", b" th", b" the", b"xx"])
+    docs = [tmp_path / "doc1.txt", tmp_path / "doc2.txt", tmp_path / "doc3.txt"]
+    docs[0].write_text("the the")
+    docs[1].write_text("<|end_of_text|>")
+    docs[2].write_text("a" + "x" * 25_002)  # one run of 25,003 non-space characters
     out = tmp_path / "tokens.bin"
-    r = titan("data", tmp_path / "doc.txt", tmp_path / "doc2.txt", "-o", out, "--tokenizer", tmp_path / "tokenizer.model")
+    r = titan("data", *docs, "-o", out, "--tokenizer", tmp_path / "tokenizer.model")
     assert r.returncode == 0, r.stderr
-    n = 261  # ranks; <|begin_of_text|> = n, <|end_of_text|> = n + 1
-    # "the" then " the" by BPE over the ranks; special-token text in a document is plain bytes.
-    special_text = list(b"<|end_of_text|>")
-    assert np.fromfile(out, dtype="<u2").tolist() == [n, 257, 260, n + 1, n, *special_text, n + 1]
+    n, xx, x = 262, 261, ord("x")  # ranks; <|begin_of_text|> = n, <|end_of_text|> = n + 1
+    assert np.fromfile(out, dtype="<u2").tolist() == [
+        n, 257, 260, n + 1,  # "the" then " the" by BPE over the ranks
+        n, *b"<|end_of_text|>", n + 1,  # special-token text in a document is plain bytes
+        # Cut after 25,000 characters of one run, as Llama-3's reference tokenizer does:
+        # "a" + 24,999 "x", then "xxx" (uncut it would be "a" + 12,501 "xx").
+        n, ord("a"), *[xx] * 12_499, x, xx, x, n + 1]
     side = json.loads(out.with_name("tokens.bin.json").read_text())
     assert (side["vocab_size"], side["eos_id"], side["dtype"]) == (n + 256, n + 1, "uint16")
     assert side["tokenizer"]["kind"] == "tiktoken" and side["tokenizer"]["spec"] == "llama3"
