@@ -7,9 +7,10 @@ Tokenizers, both optional dependencies (`pip install 'titan-aot[data]'`):
   a named spec for what the file does not hold, the pre-tokenizer pattern and the special
   tokens. `llama3`: Llama-3's pattern and 256 special tokens numbered after the ranks,
   <|begin_of_text|> = n, <|end_of_text|> = n + 1 (n ranks); each document is encoded as
-  <|begin_of_text|> + text, so the ranks file and Llama-3's tokenizer.json give the same ids
-  (except where a long document is cut as Llama-3's reference tokenizer cuts it: see
-  _llama3_pieces).
+  <|begin_of_text|> + text, as Llama-3's tokenizer.json's post-processor does, so that both
+  forms of the Llama-3 tokenizer frame documents alike (not checked here against the real
+  files, which the tests do not have); long documents are cut as Llama-3's reference
+  tokenizer cuts them (_llama3_pieces).
 In a tiktoken document, special-token text is encoded as plain text, never as a special
 token; a tokenizer.json matches its own added tokens in text, as it defines.
 
