@@ -9,12 +9,15 @@ import concurrent.futures as cf
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from titan.builder import rank_progress
 from titan.builder.cache import Cache
 from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
 from titan.builder.layout import Layout, check_layout
@@ -115,22 +118,32 @@ class BuildOutcome:
     """Ranks traced by this call."""
 
 
-def _trace(spec: BuildSpec, ranks: list[int], jobs: int):
-    """Yield RankResults as ranks finish, each traced in a fresh process (see trace.py)."""
+def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int, str], None]):
+    """Yield RankResults as ranks finish, each traced in a fresh process (see trace.py); the
+    processes report their stages (rank_progress.py), passed on to `on_stage` meanwhile."""
     from titan.builder.trace import RankJob, trace_rank
 
     if not ranks:
         return
     ctx = mp.get_context("spawn")
+    stages = ctx.Queue()
     with cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
-                                max_tasks_per_child=1) as pool:
-        futures = [pool.submit(trace_rank, RankJob(cfg=spec.cfg, layout=spec.layout, rank=r,
+                                max_tasks_per_child=1, initializer=rank_progress.attach,
+                                initargs=(stages,)) as pool:
+        pending = {pool.submit(trace_rank, RankJob(cfg=spec.cfg, layout=spec.layout, rank=r,
                                                    batch_size=spec.batch_size, seq_len=spec.seq_len,
                                                    partitioner=spec.partitioner, dtype=spec.dtype, ac=spec.ac,
                                                    passes=spec.graph_passes))
-                   for r in ranks]
-        for fut in cf.as_completed(futures):
-            yield fut.result()
+                   for r in ranks}
+        while pending:
+            finished, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
+            while True:
+                try:
+                    on_stage(*stages.get_nowait())
+                except queue.Empty:
+                    break
+            for fut in finished:
+                yield fut.result()
 
 
 def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:
@@ -179,9 +192,20 @@ def nearest_entry(cache: Cache, factors: dict) -> tuple[str, list[str]] | None:
 
 
 def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambda res: None,
-          on_wait=None, on_miss=lambda reason: None) -> BuildOutcome:
+          on_wait=None, on_miss=lambda reason: None,
+          on_stage: Callable[[int, str], None] = lambda rank, stage: None) -> BuildOutcome:
     """Build through the cache: a hit traces nothing; a miss traces only the ranks the cache
-    lacks (a killed build's finished ranks are reused). One build per key at a time."""
+    lacks (a killed build's finished ranks are reused). One build per key at a time.
+    `on_stage(rank, stage)` follows each rank through rank_progress.STAGES, in order."""
+    reached: dict[int, int] = {}
+
+    def stage(rank: int, name: str) -> None:
+        # Reports from the trace processes can arrive after their result: never step back.
+        index = rank_progress.STAGES.index(name)
+        if index > reached.get(rank, -1):
+            reached[rank] = index
+            on_stage(rank, name)
+
     factors = build_factors(spec)
     key = digest(factors)
     lock = cache.lock(key, on_wait=on_wait)
@@ -193,13 +217,20 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
             ranks = range(spec.layout.world_size)
             rank_keys = [digest(rank_factors(factors, spec.layout.coordinates(r))) for r in ranks]
             todo = [r for r in ranks if cache.get_rank(rank_keys[r]) is None]
-            for res in _trace(spec, todo, jobs):
+            for r in ranks:
+                stage(r, "queued" if r in todo else "cache hit")
+            for res in _trace(spec, todo, jobs, stage):
+                stage(res.rank, "writing")
                 _store_rank(cache, rank_keys[res.rank], rank_factors(factors, spec.layout.coordinates(res.rank)), res)
                 traced.append(res.rank)
+                stage(res.rank, "done")
                 progress(res)
             entry = {"key": key, "factors": factors, "ranks": rank_keys,
                      "manifest": _manifest_fields(spec, factors), "created_ts": time.time()}
             cache.put_entry(key, entry)
+        else:
+            for r in range(spec.layout.world_size):
+                stage(r, "cache hit")
         cache.touch(key)
         manifest = export_artifact(cache, entry, out)
     finally:

@@ -27,6 +27,7 @@ from titan.builder.models.llama3 import Llama3, init_specs
 from titan.builder.models.llama3_config import LlamaConfig
 from titan.builder.parallelize import build_mesh, parallelize
 from titan.builder.passes import PASSES, PassContext
+from titan.builder.rank_progress import report
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
@@ -122,6 +123,7 @@ def _group_names(mesh) -> dict[str, str]:
 
 def trace_rank(job: RankJob) -> RankResult:
     layout, rank = job.layout, job.rank
+    report(rank, "tracing")
     t0 = time.perf_counter()
     if layout.world_size > 1:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
@@ -141,6 +143,7 @@ def trace_rank(job: RankJob) -> RankResult:
             stack.enter_context(module_provenance(model))
             joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels))
             t_export = time.perf_counter()
+            report(rank, "partitioning")
             gm = joint.graph_module
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
@@ -157,6 +160,7 @@ def trace_rank(job: RankJob) -> RankResult:
                 fw, bw = PASSES[name].fn(fw, ctx=fw_ctx), PASSES[name].fn(bw, ctx=bw_ctx)
             t_passes = time.perf_counter()
         # Encode after the export context (and its fake mode) has closed: constants are real.
+        report(rank, "writing")
         fw_blob = encode_graph(fw, group_names=groups)
         bw_blob = encode_graph(bw, group_names=groups)
         meta = _rank_meta(job, coords, shards, joint_inputs, fw, bw)

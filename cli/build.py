@@ -50,6 +50,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     from titan.builder.build import build, make_spec, nearest_entry
     from titan.builder.cache import Cache
     from titan.builder.cache_key import build_factors
+    from titan.cli.build_progress import BuildProgress
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
                      batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac,
@@ -60,14 +61,16 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     click.echo(f"building {spec.name}: {model} {spec.flavor}, {world} rank(s) "
                f"[{spec.layout.tag()}], batch {spec.batch_size} x seq {spec.seq_len}, {spec.dtype}")
     t0 = time.perf_counter()
+    shown = BuildProgress(world)
 
     def progress(res):
         t = res.timings
         meta = res.meta
         state = sum(_numel(p["local_shape"]) for p in meta["params"]) * 16  # fp32 param, grad, 2 AdamW moments
-        click.echo(f"  rank {res.rank}: traced in {t['export_s']:.1f} s, partitioned in {t['partition_s']:.1f} s, "
-                   f"passes {t['passes_s']:.1f} s; memory: {meta['saved_activations']} saved activations "
-                   f"{meta['saved_bytes'] / 2**30:.2f} GiB + params/grads/AdamW {state / 2**30:.2f} GiB")
+        shown.rank_done(f"  rank {res.rank}: done: traced in {t['export_s']:.1f} s, partitioned in "
+                        f"{t['partition_s']:.1f} s, passes {t['passes_s']:.1f} s; memory: {meta['saved_activations']} "
+                        f"saved activations {meta['saved_bytes'] / 2**30:.2f} GiB + params/grads/AdamW "
+                        f"{state / 2**30:.2f} GiB")
 
     cache = Cache(cache_dir)
 
@@ -81,8 +84,11 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
         more = "" if explain or len(diff) <= 3 else f", +{len(diff) - 3} more (--explain)"
         click.echo(f"cache: miss ({why}; nearest entry {nearest[0][:12]} differs in: {', '.join(shown)}{more})")
 
-    outcome = build(spec, out, cache=cache, jobs=jobs, progress=progress, on_miss=on_miss,
-                    on_wait=lambda: click.echo("waiting for another titan-build of the same key"))
+    try:
+        outcome = build(spec, out, cache=cache, jobs=jobs, progress=progress, on_miss=on_miss, on_stage=shown.stage,
+                        on_wait=lambda: click.echo("waiting for another titan-build of the same key"))
+    finally:
+        shown.finish()
     if outcome.hit:
         click.echo(f"cache: hit ({outcome.key[:12]})")
     manifest = outcome.manifest

@@ -5,6 +5,7 @@ Spawns the artifact's world size of local ranks, or, under torchrun (RANK set), 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -29,8 +30,11 @@ def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
 @click.option("--batch-size", default=None, type=int, help="Must equal the artifact's (it shapes the graphs).")
 @click.option("--seq-len", default=None, type=int, help="Must equal the artifact's (it shapes the graphs).")
 @click.option("--data", default=None, type=click.Path(dir_okay=False), help="Flat token file (default: synthetic tokens).")
-@click.option("--data-dtype", default="uint16", show_default=True, type=click.Choice(["uint16", "uint32"]))
+@click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
+              help="Token file element type (default: from its titan-data sidecar, else uint16).")
 @click.option("--metrics", default=None, type=click.Path(dir_okay=False), help="Write one JSON object per step.")
+@click.option("--tensorboard", default=None, type=click.Path(file_okay=False),
+              help="Write TensorBoard scalars (loss, tokens/s, step time, GPU peak memory) into this directory.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
 @click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=click.FloatRange(min=1),
@@ -38,19 +42,26 @@ def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")
 @user_errors
-def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, device, deterministic, timeout_s,
-         cuda_graphs):
+def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, tensorboard, device, deterministic,
+         timeout_s, cuda_graphs):
     """Train from ARTIFACT (a directory written by titan-build)."""
     from titan.runtime.artifact import open_artifact
     from titan.runtime.train import RunConfig, rank_main
 
-    cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics, device=device,
-                    deterministic=deterministic, cuda_graphs=cuda_graphs, timeout_s=timeout_s)
+    cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics,
+                    tensorboard=tensorboard, device=device, deterministic=deterministic, cuda_graphs=cuda_graphs,
+                    timeout_s=timeout_s)
     if "RANK" in os.environ:
         from titan.runtime.distributed import exit_rank
         exit_rank(rank_main(artifact, cfg))
     art = open_artifact(artifact)
     check_shape_flags(art.manifest, batch_size, seq_len)
+    if data is not None:
+        from titan.runtime.data import token_file_dtype
+        token_file_dtype(data, dtype=data_dtype, vocab_size=art.manifest["model_config"]["vocab_size"])
+    if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        from titan.runtime.step_log import TENSORBOARD_HINT
+        raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
     art.verify_all()
     if device != "cpu":
         _check_gpus(art.world_size, device)

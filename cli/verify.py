@@ -18,7 +18,8 @@ from titan.cli.errors import user_errors
 @click.option("--lr", default=8e-4, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--data", default=None, type=click.Path(dir_okay=False), help="Flat token file (default: synthetic tokens).")
-@click.option("--data-dtype", default="uint16", show_default=True, type=click.Choice(["uint16", "uint32"]))
+@click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
+              help="Token file element type (default: from its titan-data sidecar, else uint16).")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,

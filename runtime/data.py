@@ -4,7 +4,25 @@ Both are pure functions of (step, data-parallel rank), so a run, its eager refer
 resumed run read the same tokens. Tensor-parallel ranks of one data-parallel rank read the
 same batch.
 
-Token file layout: a flat array of little-endian uint16 or uint32 token ids, no header.
+The data position is the step. Batch s (0-based: the batch of optimizer step s + 1) depends on
+s and the data-parallel rank alone, so a run resumed after k completed steps reads batch k next,
+with no reader state to save or restore; `TokenFile.windows_at(s, ...)` names the windows.
+
+Token file layout (written by titan-data): a flat array of little-endian uint16 or uint32 token
+ids, no header, documents concatenated, each followed by the tokenizer's end-of-text token
+when it has one. Beside it, `<file>.json` (the sidecar) records:
+    format          "titan-tokens"
+    format_version  1
+    dtype           "uint16" (vocabulary <= 65536) or "uint32"
+    vocab_size      the tokenizer's vocabulary size (every id is below it)
+    tokens          number of tokens in the file (its size / the dtype's size)
+    eos_id          the separator appended after each document, or null
+    documents       number of documents encoded
+    tokenizer       {"kind": "tokenizers" | "tiktoken", "path", "sha256", "spec"}
+    sources         [{"path", "bytes", "sha256"}] of the text files, in order
+titan-run takes the dtype from the sidecar and refuses a file whose vocab_size exceeds the
+model's; without a sidecar the dtype is --data-dtype (default uint16) and ids are checked per
+batch.
 Batch b of data-parallel rank r at step s reads sequences (s * dp + r) * b + i for i < b,
 each seq_len + 1 consecutive tokens starting at (sequence index * seq_len) modulo the number of
 whole windows in the file.
@@ -13,6 +31,7 @@ whole windows in the file.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -54,14 +73,46 @@ class SyntheticTokens:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+def sidecar_path(path: str | Path) -> Path:
+    """Where titan-data records a token file's dtype, vocabulary and sources."""
+    return Path(f"{path}.json")
+
+
+def token_file_dtype(path: str | Path, *, dtype: str | None, vocab_size: int) -> str:
+    """The token file's dtype: from its sidecar when there is one (which must agree with an
+    explicit --data-dtype and fit the model's vocabulary), else `dtype` or uint16."""
+    path = Path(path)
+    if dtype is not None and dtype not in TOKEN_DTYPES:
+        raise ValueError(f"--data-dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
+    if not path.is_file():
+        raise ValueError(f"--data {path}: no such file")
+    side = sidecar_path(path)
+    if not side.is_file():
+        return dtype or "uint16"
+    try:
+        info = json.loads(side.read_text())
+        recorded, vocab, tokens = info["dtype"], int(info["vocab_size"]), int(info["tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--data {path}: its sidecar {side} is unreadable ({e}); rewrite it with titan-data, "
+                         "or delete it and pass --data-dtype") from None
+    if recorded not in TOKEN_DTYPES:
+        raise ValueError(f"--data {path}: sidecar {side} names dtype {recorded!r}; rewrite it with titan-data")
+    if dtype is not None and dtype != recorded:
+        raise ValueError(f"--data-dtype {dtype} contradicts {side} ({recorded}); drop --data-dtype")
+    if vocab > vocab_size:
+        raise ValueError(f"--data {path} was tokenized with a vocabulary of {vocab} tokens, more than this model's "
+                         f"{vocab_size}; tokenize with the model's tokenizer or build a model with a larger vocabulary")
+    if path.stat().st_size != tokens * np.dtype(TOKEN_DTYPES[recorded]).itemsize:
+        raise ValueError(f"--data {path}: its size does not match the {tokens} {recorded} tokens its sidecar {side} "
+                         "records (file replaced or truncated?); rewrite both with titan-data")
+    return recorded
+
+
 class TokenFile:
-    def __init__(self, path: str | Path, *, dtype: str, vocab_size: int, batch_size: int, seq_len: int,
+    def __init__(self, path: str | Path, *, dtype: str | None, vocab_size: int, batch_size: int, seq_len: int,
                  dp_rank: int, dp_degree: int):
-        if dtype not in TOKEN_DTYPES:
-            raise ValueError(f"--data-dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"--data {path}: no such file")
+        dtype = token_file_dtype(path, dtype=dtype, vocab_size=vocab_size)
         itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
         if path.stat().st_size % itemsize:
             raise ValueError(f"--data {path}: size is not a multiple of {itemsize} bytes; is --data-dtype {dtype} right?")
@@ -72,12 +123,14 @@ class TokenFile:
         self.vocab_size, self.batch_size, self.seq_len = vocab_size, batch_size, seq_len
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
 
+    def windows_at(self, step: int) -> list[int]:
+        """Indices of the windows this rank reads for batch `step` (the data position is the step)."""
+        first = (step * self.dp_degree + self.dp_rank) * self.batch_size
+        return [(first + i) % self.windows for i in range(self.batch_size)]
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = []
-        for i in range(self.batch_size):
-            index = ((step * self.dp_degree + self.dp_rank) * self.batch_size + i) % self.windows
-            start = index * self.seq_len
-            rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+        rows = [np.asarray(self.tokens[w * self.seq_len:w * self.seq_len + self.seq_len + 1], dtype=np.int64)
+                for w in self.windows_at(step)]
         seq = torch.from_numpy(np.stack(rows))
         top = int(seq.max())
         if top >= self.vocab_size:

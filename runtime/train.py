@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from titan.runtime.distributed import (RankEnv, build_mesh, dp_sum, group_names,
 from titan.runtime.graph_format import load_graph
 from titan.runtime.init import materialize
 from titan.runtime.optim import AdamW
+from titan.runtime.step_log import StepLog
 from titan.runtime.validate import check_rank
 
 
@@ -32,10 +32,12 @@ class RunConfig:
     """Seed for parameter init and synthetic data."""
     data: str | None = None
     """Flat token file; synthetic tokens when None."""
-    data_dtype: str = "uint16"
-    """Element type of the token file."""
+    data_dtype: str | None = None
+    """Element type of the token file; None: from its sidecar (titan-data), else uint16."""
     metrics: str | None = None
     """Write one JSON object per step here (rank 0)."""
+    tensorboard: str | None = None
+    """Write TensorBoard scalars per step into this directory (rank 0)."""
     device: str = "auto"
     """auto, cpu or cuda."""
     quiet: bool = False
@@ -131,16 +133,7 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
 def _step_logger(cfg: RunConfig, is_rank0: bool, total: int):
     if not is_rank0:
         return None
-    metrics = open(cfg.metrics, "w", buffering=1) if cfg.metrics else None
-
-    def log(rec: dict) -> None:
-        if not cfg.quiet:
-            print(f"step {rec['step']:>4}/{total} | loss {rec['loss']:.6f} | tokens/s {rec['tokens_per_s']:,.0f}"
-                  f" | step {rec['step_time_s']:.3f} s", flush=True)
-        if metrics is not None:
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-    return log
+    return StepLog(total=total, metrics=cfg.metrics, tensorboard=cfg.tensorboard, show=not cfg.quiet)
 
 
 def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Tensor]:

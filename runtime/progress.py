@@ -1,0 +1,58 @@
+"""A status line rewritten in place on a terminal, and the pieces of a progress bar.
+
+Standard library only: the runtime imports it. Callers decide between the terminal form (this
+line) and plain lines with `is_terminal`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TextIO
+
+CLEAR_TO_END = "\x1b[K"
+
+
+def is_terminal(stream: TextIO) -> bool:
+    """True when `stream` is a terminal a person is watching (TERM=dumb counts as not)."""
+    return stream.isatty() and os.environ.get("TERM") != "dumb"
+
+
+def bar(done: int, total: int, *, width: int = 20) -> str:
+    filled = width * done // total if total else width
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def duration(seconds: float) -> str:
+    """H:MM:SS, or M:SS under an hour."""
+    s = max(0, round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class StatusLine:
+    """One line on a terminal, redrawn with a carriage return, cut to the terminal's width."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.shown = False
+
+    def update(self, text: str) -> None:
+        width = shutil.get_terminal_size((100, 24)).columns
+        self.stream.write("\r" + text[:max(10, width - 1)] + CLEAR_TO_END)
+        self.stream.flush()
+        self.shown = True
+
+    def print_above(self, text: str) -> None:
+        """A permanent line; the status line is redrawn by the next update."""
+        self.stream.write(("\r" + CLEAR_TO_END if self.shown else "") + text + "\n")
+        self.stream.flush()
+        self.shown = False
+
+    def finish(self) -> None:
+        """Leave the last status on screen and move below it."""
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = False
