@@ -97,6 +97,22 @@ def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: li
                          "artifact built for that model, or use another --checkpoint-dir")
 
 
+def check_complete(step_dir: Path) -> None:
+    """Every tensor of the checkpoint is covered by its saved pieces (no shard file is missing)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from titan.runtime.dcp_boxes import check_covered
+    try:
+        metadata = HuggingFaceStorageReader(str(step_dir)).read_metadata()
+    except Exception as e:  # a truncated or foreign file: safetensors raises its own error types
+        raise ValueError(f"{step_dir}: a shard file is unreadable ({type(e).__name__}: {e}); resume from "
+                         "another checkpoint") from None
+    description = read_state(step_dir)
+    for fqn, shape in description["params"].items():
+        for family in ("model", "optim.exp_avg", "optim.exp_avg_sq"):
+            check_covered(metadata, f"{family}.{fqn}", shape, where=str(step_dir))
+
+
 def check_fresh(root: str | os.PathLike) -> None:
     """A run that does not resume must not write into another run's checkpoints."""
     steps = complete_steps(root)
@@ -136,8 +152,8 @@ def save(root: str | os.PathLike, step: int, *, params: list[dict], tensors: lis
         dist.barrier()
     from titan.runtime.dcp_boxes import BoxSavePlanner
     state, boxes = dcp_state(params, tensors, optimizer)
-    dcp.save(state, planner=BoxSavePlanner(boxes),
-             storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
+    _dcp_call(dcp.save, state, planner=BoxSavePlanner(boxes),
+              storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
     if rank0:
         state = dict(description, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, step=step,
                      optimizer_steps=optimizer.steps, params={p["fqn"]: list(p["global_shape"]) for p in params},
@@ -160,14 +176,16 @@ def load(step_dir: Path, *, params: list[dict], tensors: list[torch.Tensor], opt
     from titan.runtime.dcp_boxes import BoxLoadPlanner
     description = read_state(step_dir)
     state, boxes = dcp_state(params, tensors, optimizer)
-    dcp.load(state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
-             storage_reader=HuggingFaceStorageReader(str(step_dir)))
+    _dcp_call(dcp.load, state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
+              storage_reader=HuggingFaceStorageReader(str(step_dir)))
     optimizer.steps = int(description["optimizer_steps"])
     return description
 
 
-def load_full(step_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Single process: the checkpoint's titan.json and its full (global) parameters by fqn."""
+def load_full(step_dir: Path, *, families: tuple[str, ...] = ("model",)) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Single process: the checkpoint's titan.json and its full (global) tensors by fqn, for
+    each family ("model", "optim.exp_avg", "optim.exp_avg_sq"; keys "<family>.<fqn>" when
+    several are asked for, plain fqns for one)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -177,11 +195,32 @@ def load_full(step_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     shapes = description.get("params")
     if not isinstance(shapes, dict):
         raise ValueError(f"{step_dir / STATE_FILE} lists no parameters; it was not written by titan-run")
-    tensors = {fqn: torch.empty(shape, dtype=torch.float32) for fqn, shape in shapes.items()}
-    state = {f"model.{fqn}": t for fqn, t in tensors.items()}
-    boxes = {f"model.{fqn}": ([0] * len(shape), list(shape), list(shape)) for fqn, shape in shapes.items()}
+    state = {f"{family}.{fqn}": torch.empty(shape, dtype=torch.float32)
+             for family in families for fqn, shape in shapes.items()}
+    boxes = {f"{family}.{fqn}": ([0] * len(shape), list(shape), list(shape))
+             for family in families for fqn, shape in shapes.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
-                 storage_reader=HuggingFaceStorageReader(str(step_dir)), no_dist=True)
-    return description, tensors
+        _dcp_call(dcp.load, state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
+                  storage_reader=HuggingFaceStorageReader(str(step_dir)), no_dist=True)
+    if len(families) == 1:
+        state = {key[len(families[0]) + 1:]: t for key, t in state.items()}
+    return description, state
+
+
+def _dcp_call(fn, *args, **kwargs):
+    """DCP reports a failure on any rank as CheckpointException (not an Exception subclass) on
+    every rank; it is turned into a ValueError naming the first failure (a checkpoint that does
+    not fit, a missing file, a full disk), so that it reaches the user as one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointException as e:
+        failures = list(getattr(e, "failures", {}).values())
+        first = failures[0] if failures else e
+        if isinstance(first, tuple):  # (exception, traceback) in some torch releases
+            first = first[0]
+        if isinstance(first, ValueError):
+            raise ValueError(str(first).splitlines()[0]) from None
+        raise ValueError(f"checkpoint {'save' if fn.__name__ == 'save' else 'load'} failed: "
+                         f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}") from None

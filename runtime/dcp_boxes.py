@@ -55,22 +55,29 @@ class BoxLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         items = []
-        saved = self.metadata.state_dict_metadata
         for fqn in self.state_dict:
             offsets, sizes, global_shape = self.boxes[fqn]
-            md = saved.get(fqn)
-            if md is None:
-                raise ValueError(f"{self.where} has no {fqn}; the checkpoint is incomplete or of another model")
-            if list(md.size) != list(global_shape):
-                raise ValueError(f"{self.where}: {fqn} has shape {list(md.size)}, not {global_shape}; the "
-                                 "checkpoint is of another model")
-            covered = sum(torch.Size(c.sizes).numel() for c in md.chunks)
-            if covered != torch.Size(global_shape).numel():
-                raise ValueError(f"{self.where}: the saved pieces of {fqn} do not cover it; the checkpoint is "
-                                 "incomplete (a shard file is missing)")
+            md = check_covered(self.metadata, fqn, global_shape, where=self.where)
             local = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             items.extend(create_read_items_for_chunk_list(fqn, md, [local]))
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn]
+
+
+def check_covered(metadata, fqn: str, global_shape: list[int], *, where: str):
+    """The saved pieces of `fqn` make up a tensor of `global_shape` (pieces never overlap: DCP
+    writes each box once); returns its storage metadata."""
+    md = metadata.state_dict_metadata.get(fqn)
+    if md is None:
+        raise ValueError(f"{where} has no {fqn}; the checkpoint is incomplete (a shard file is missing) or of "
+                         "another model")
+    if list(md.size) != list(global_shape):
+        raise ValueError(f"{where}: {fqn} has shape {list(md.size)}, not {list(global_shape)}; the checkpoint is "
+                         "incomplete (a shard file is missing) or of another model")
+    covered = sum(torch.Size(c.sizes).numel() for c in md.chunks)
+    if covered != torch.Size(global_shape).numel():
+        raise ValueError(f"{where}: the saved pieces of {fqn} do not cover it; the checkpoint is incomplete "
+                         "(a shard file is missing)")
+    return md

@@ -43,6 +43,7 @@ class RunState:
             self.resumed = checkpoint.read_state(self.resume_from)
             checkpoint.check_matches(self.resumed, self.resume_from, model_config=manifest["model_config"],
                                      params=params)
+            checkpoint.check_complete(self.resume_from)
             step = self.resumed["step"]
             if cfg.steps <= step:
                 raise ValueError(f"--steps {cfg.steps}: {self.resume_from} is already at step {step}; --steps counts "
