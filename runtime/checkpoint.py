@@ -199,10 +199,8 @@ def load_full(step_dir: Path, *, families: tuple[str, ...] = ("model",)) -> tupl
              for family in families for fqn, shape in shapes.items()}
     boxes = {f"{family}.{fqn}": ([0] * len(shape), list(shape), list(shape))
              for family in families for fqn, shape in shapes.items()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        _dcp_call(dcp.load, state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
-                  storage_reader=HuggingFaceStorageReader(str(step_dir)), no_dist=True)
+    _dcp_call(dcp.load, state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
+              storage_reader=HuggingFaceStorageReader(str(step_dir)))
     if len(families) == 1:
         state = {key[len(families[0]) + 1:]: t for key, t in state.items()}
     return description, state
@@ -214,7 +212,11 @@ def _dcp_call(fn, *args, **kwargs):
     not fit, a missing file, a full disk), so that it reaches the user as one line."""
     from torch.distributed.checkpoint.api import CheckpointException
     try:
-        return fn(*args, **kwargs)
+        if dist.is_initialized():
+            return fn(*args, **kwargs)
+        with warnings.catch_warnings():  # "assuming the intent is to ... in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            return fn(*args, no_dist=True, **kwargs)
     except CheckpointException as e:
         failures = list(getattr(e, "failures", {}).values())
         first = failures[0] if failures else e
