@@ -25,7 +25,7 @@ def main(checkpoint, out, dtype):
     out = Path(out)
     if out.exists():
         raise ValueError(f"--hf {out} already exists; choose a new directory (titan-export never overwrites)")
-    step_dir = resolve_checkpoint(checkpoint, flag="titan-export")
+    step_dir = resolve_checkpoint(checkpoint, flag="titan-export", step_dir_ok=True)
     description, tensors = load_full(step_dir)
     export_hf(out, description, tensors, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
     click.echo(f"wrote {out} ({len(tensors)} tensors, {dtype}) from {step_dir} (step {description['step']})")

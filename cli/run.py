@@ -63,7 +63,7 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
     check_shape_flags(art.manifest, batch_size, seq_len)
     art.verify_all()
     from titan.runtime.run_state import RunState
-    RunState(cfg, art.manifest, art.rank_meta(0)["params"])  # its checks, once, before ranks start
+    RunState(cfg, art.manifest, art.rank_meta(0)["params"]).close()  # its checks, once, before ranks start
     if device != "cpu":
         _check_gpus(art.world_size, device)
     from titan.runtime.launch import spawn_local

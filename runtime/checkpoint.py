@@ -57,15 +57,20 @@ def complete_steps(root: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
-def resolve_checkpoint(path: str | os.PathLike, *, flag: str) -> Path:
-    """A step directory, given either it or a --checkpoint-dir (its latest complete step)."""
+def resolve_checkpoint(path: str | os.PathLike, *, flag: str, step_dir_ok: bool) -> Path:
+    """The latest complete step directory of a --checkpoint-dir (or, if `step_dir_ok`, a step
+    directory itself)."""
     path = Path(path)
     if (path / STATE_FILE).is_file():
-        return path
+        if step_dir_ok:
+            return path
+        raise ValueError(f"{flag} {path} is one step's directory; pass the directory that holds the step-N "
+                         f"directories ({path.parent})")
     steps = complete_steps(path)
     if not steps:
-        raise ValueError(f"{flag} {path}: no complete checkpoint there (no step-*/{STATE_FILE}); "
-                         "train with --checkpoint-dir first, or drop --resume to start from scratch")
+        fix = ("point it at a --checkpoint-dir written by titan-run" if step_dir_ok else
+               "train with --checkpoint-dir first, or drop --resume to start from scratch")
+        raise ValueError(f"{flag} {path}: no complete checkpoint there (no step-*/{STATE_FILE}); {fix}")
     return step_path(path, steps[-1])
 
 
@@ -115,6 +120,9 @@ def check_complete(step_dir: Path) -> None:
 
 def check_fresh(root: str | os.PathLike) -> None:
     """A run that does not resume must not write into another run's checkpoints."""
+    if (Path(root) / STATE_FILE).is_file():
+        raise ValueError(f"--checkpoint-dir {root} is one step's directory of another run; choose an empty "
+                         "--checkpoint-dir")
     steps = complete_steps(root)
     if steps:
         raise ValueError(f"--checkpoint-dir {root} already holds checkpoints (latest step {steps[-1]}); pass "
@@ -155,14 +163,19 @@ def save(root: str | os.PathLike, step: int, *, params: list[dict], tensors: lis
     _dcp_call(dcp.save, state, planner=BoxSavePlanner(boxes),
               storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
     if rank0:
-        state = dict(description, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, step=step,
-                     optimizer_steps=optimizer.steps, params={p["fqn"]: list(p["global_shape"]) for p in params},
-                     created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        written = dict(description, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, step=step,
+                       optimizer_steps=optimizer.steps, params={p["fqn"]: list(p["global_shape"]) for p in params},
+                       created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(partial / STATE_FILE, "w") as f:
-            json.dump(state, f, indent=1)
+            json.dump(written, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.rename(partial, final)
+        fd = os.open(root, os.O_RDONLY)  # make the rename itself durable
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     if dist.is_initialized():
         dist.barrier()
     return final

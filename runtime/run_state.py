@@ -39,7 +39,8 @@ class RunState:
                                  "Face one: pass only one of them")
             if cfg.checkpoint_dir is None:
                 raise ValueError("--resume needs --checkpoint-dir DIR (the directory the earlier run wrote to)")
-            self.resume_from = checkpoint.resolve_checkpoint(cfg.checkpoint_dir, flag="--resume --checkpoint-dir")
+            self.resume_from = checkpoint.resolve_checkpoint(cfg.checkpoint_dir, flag="--resume --checkpoint-dir",
+                                                          step_dir_ok=False)
             self.resumed = checkpoint.read_state(self.resume_from)
             checkpoint.check_matches(self.resumed, self.resume_from, model_config=manifest["model_config"],
                                      params=params)
@@ -72,10 +73,13 @@ class RunState:
             return self.hf.read_shard(param, device=self.device)
         return materialize(param, seed=self.cfg.seed, device=self.device)
 
-    def restore(self, tensors: list[torch.Tensor], optimizer) -> int:
-        """Load the resumed checkpoint into the live tensors; returns the step to continue after."""
+    def close(self) -> None:
         if self.hf is not None:
             self.hf.close()
+
+    def restore(self, tensors: list[torch.Tensor], optimizer) -> int:
+        """Load the resumed checkpoint into the live tensors; returns the step to continue after."""
+        self.close()
         if self.resume_from is None:
             return 0
         from titan.runtime import checkpoint

@@ -89,10 +89,8 @@ class GraphProgram:
                    layout=artifact.manifest["layout"],
                    graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})
         self.inputs = meta["forward_inputs"]
-        if load_param is None:
-            self.params = [materialize(p, seed=seed, device=device) for p in meta["params"]]
-        else:
-            self.params = [load_param(p) for p in meta["params"]]
+        load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
+        self.params = [load_param(p) for p in meta["params"]]
         self.coords = meta["coords"]
 
     @torch.no_grad()
