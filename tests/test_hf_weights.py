@@ -31,12 +31,14 @@ def _hf_config(**overrides):
     return transformers.LlamaConfig(**kw)
 
 
-def _save_model(path, *, seed: int = 0, max_shard_size: str | None = None, **overrides):
+def _model(*, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(_hf_config(**overrides)).float()
+    return transformers.LlamaForCausalLM(_hf_config(**overrides)).float()
+
+
+def _save_model(path, *, max_shard_size: str | None = None, **overrides):
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, safe_serialization=True, **kw)
-    return model
+    _model(**overrides).save_pretrained(path, safe_serialization=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -110,23 +112,57 @@ def test_first_step_loss_matches_transformers(layout, storage, hf_dir, hf_sharde
     assert abs(unpermuted - reference) > 100 * 1e-5 * reference
 
 
-def test_export_round_trip_is_bit_exact(hf_dir, debug_artifact, tmp_path):
+def _hf_tensors(path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+@pytest.mark.parametrize("layout, source, dtype", [(dict(tp=2), "fp32", "fp32"), (dict(dp_shard=2), "bf16", "bf16")],
+                         ids=["tp2-fp32", "dp_shard2-bf16-sharded"])
+def test_export_round_trip_is_bit_exact(layout, source, dtype, hf_dir, debug_artifact, tmp_path):
     """HF -> titan-run --init-from-hf --steps 0 (checkpoints the loaded weights, trains nothing)
-    -> titan-export -> every tensor equal to the original."""
-    art = debug_artifact(tp=2, extra=FP32)
+    -> titan-export -> every tensor equal to the original (bf16 weights are held exactly in the
+    fp32 master weights, so they come back exactly with --dtype bf16)."""
+    if source == "fp32":
+        original_dir = hf_dir
+    else:
+        original_dir = tmp_path / "bf16"
+        _model().to(torch.bfloat16).save_pretrained(original_dir, safe_serialization=True, max_shard_size="1MB")
+    art = debug_artifact(**layout, extra=FP32)
     ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
-    r = titan("run", art, "--init-from-hf", hf_dir, "--steps", 0, "--checkpoint-dir", ckpt)
+    r = titan("run", art, "--init-from-hf", original_dir, "--steps", 0, "--checkpoint-dir", ckpt)
     assert r.returncode == 0, r.stderr
     assert (ckpt / "step-00000000" / "titan.json").is_file()
-    r = titan("export", ckpt, "--hf", out)
+    r = titan("export", ckpt, "--hf", out, "--dtype", dtype)
     assert r.returncode == 0, r.stderr
-    original, exported = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    original, exported = _hf_tensors(original_dir), _hf_tensors(out)
     assert sorted(original) == sorted(exported)
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
     config = transformers.LlamaConfig.from_pretrained(out)
     assert (config.hidden_size, config.num_key_value_heads, config.intermediate_size) == (256, 4, 704)
     assert titan("export", ckpt, "--hf", out).returncode == 2, "an existing --hf directory is never overwritten"
+
+
+@pytest.mark.parametrize("slices", [[[0, 8, 3]], [[0, 2, 1], [0, 4, 2]], [[1, 2, 1], [0, 16, 5]], [[0, 4, 1]]])
+def test_shards_that_cut_heads_read_the_right_rows(slices, hf_dir):
+    """A shard may start or end inside a head (FSDP cuts dim 0 after tp): its rows are still
+    the right ones of the un-permuted tensor."""
+    from titan.runtime.hf_weights import HFCheckpoint, titan_rows_from_hf
+    from titan.runtime.init import shard_of
+
+    model_config = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=2048, norm_eps=1e-5,
+                        rope_theta=500000.0)
+    ckpt = HFCheckpoint(hf_dir, model_config=model_config, ffn_hidden=704)
+    full_hf = load_file(hf_dir / "model.safetensors")
+    for fqn, name, rows in (("layers.1.attention.wq.weight", "model.layers.1.self_attn.q_proj.weight", 256),
+                            ("layers.0.attention.wk.weight", "model.layers.0.self_attn.k_proj.weight", 128)):
+        full = full_hf[name].unflatten(0, (-1, 32))[:, titan_rows_from_hf(32)].flatten(0, 1)
+        param = dict(fqn=fqn, global_shape=[rows, 256], slices=slices, dtype="float32")
+        assert torch.equal(ckpt.read_shard(param, device=torch.device("cpu")), shard_of(full, slices)), (fqn, slices)
+    ckpt.close()
 
 
 def test_tied_embeddings_load_the_output_from_the_embedding(debug_artifact, token_file, tmp_path):
