@@ -93,9 +93,12 @@ def check_hf_config(hf_dir: Path, model_config: dict, ffn_hidden: int) -> dict:
     if cfg.get("model_type", "llama") != "llama":
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not 'llama'; titan's llama3 model "
                          "loads Llama checkpoints only")
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling")
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type")) if scaling else rope.get("rope_type")
+    # transformers < 5 writes rope_theta and rope_scaling; >= 5 writes rope_parameters (theta and type).
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{where}: rope_scaling / rope_parameters is not a JSON object; re-download or re-save "
+                         "the model")
+    rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type not in (None, "default"):
         raise ValueError(f"{where}: RoPE scaling {rope_type!r} is not implemented by titan's llama3 model (plain "
                          "RoPE only); use a checkpoint without rope_scaling (e.g. Llama 3 8B, not 3.1)")
@@ -116,7 +119,8 @@ def check_hf_config(hf_dir: Path, model_config: dict, ffn_hidden: int) -> dict:
         "rope_theta": model_config["rope_theta"],
         "head_dim": model_config["dim"] // model_config["n_heads"],
     }
-    given = dict(cfg)
+    # Hugging Face's defaults for fields a config may leave out (or null).
+    given = {k: v for k, v in cfg.items() if v is not None}
     given.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
     given.setdefault("head_dim", expected["head_dim"])
     if "rope_theta" not in given and "rope_theta" in rope:
