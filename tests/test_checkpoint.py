@@ -164,3 +164,24 @@ def test_bad_checkpoints_are_refused_and_nothing_is_lost(debug_artifact, tmp_pat
     _run(art, "--steps", 3, "--checkpoint-dir", ckpt, "--resume")
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
     assert {k: v for k, v in _tree_digest(ckpt).items() if k.startswith("step-00000002")} == digest
+
+
+@pytest.mark.parametrize("slices", [[], [[0, 2, 1]], [[1, 2, 0], [0, 2, 1]], [[0, 2, 1], [0, 4, 3]], [[1, 4, 2], [0, 8, 7]]])
+def test_a_shard_is_the_box_its_slices_describe(slices):
+    from titan.runtime.init import shard_box, shard_of
+
+    full = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
+    offsets, sizes = shard_box(slices, [64, 32])
+    box = full[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
+    assert torch.equal(box, shard_of(full, slices))
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--checkpoint-every", 2), ["--checkpoint-every needs --checkpoint-dir"]),
+    (("--resume", "--checkpoint-dir", "ckpt", "--init-from-hf", "hf"), ["pass only one of them"]),
+])
+def test_inconsistent_checkpoint_options_are_refused(args, words, debug_artifact, tmp_path):
+    args = [str(tmp_path / a) if a in ("ckpt", "hf") else a for a in args]
+    line = _one_error(titan("run", debug_artifact(tp=2), "--steps", 2, *args))
+    for w in words:
+        assert w in line, line
