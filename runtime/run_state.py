@@ -9,11 +9,17 @@ without --checkpoint-dir / --resume imports none of it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from titan.runtime import checkpoint
 from titan.runtime.hf_weights import FFN_PARAM, HFCheckpoint
 from titan.runtime.init import materialize
+
+if TYPE_CHECKING:
+    from titan.runtime.optim import AdamW
+    from titan.runtime.train import RunConfig
 
 
 def _ffn_hidden(params: list[dict]) -> int:
@@ -24,9 +30,7 @@ class RunState:
     """Checks the run's state options against the artifact (every rank, and the launcher before
     it spawns ranks, so that a mistake is one line), then serves the hooks."""
 
-    def __init__(self, cfg, manifest: dict, params: list[dict], *, device: torch.device | None = None):
-        from titan.runtime import checkpoint
-
+    def __init__(self, cfg: RunConfig, manifest: dict, params: list[dict], *, device: torch.device | None = None):
         self.cfg, self.manifest, self.params, self.device = cfg, manifest, params, device
         self.hf = None
         self.resume_from: Path | None = None
@@ -77,12 +81,11 @@ class RunState:
         if self.hf is not None:
             self.hf.close()
 
-    def restore(self, tensors: list[torch.Tensor], optimizer) -> int:
+    def restore(self, tensors: list[torch.Tensor], optimizer: AdamW) -> int:
         """Load the resumed checkpoint into the live tensors; returns the step to continue after."""
         self.close()
         if self.resume_from is None:
             return 0
-        from titan.runtime import checkpoint
         checkpoint.load(self.resume_from, params=self.params, tensors=tensors, optimizer=optimizer)
         return self.start_step
 
@@ -94,13 +97,12 @@ class RunState:
                 "batch_size": m["batch_size"], "seq_len": m["seq_len"], "seed": cfg.seed, "data": cfg.data,
                 "lr": cfg.lr, "torch_version": m["torch_version"], "hf_config": hf_config}
 
-    def after_step(self, step: int, tensors: list[torch.Tensor], optimizer) -> None:
+    def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW) -> None:
         """Checkpoint every --checkpoint-every steps and at the last step (collective)."""
         cfg = self.cfg
         if cfg.checkpoint_dir is None:
             return
         due = step == cfg.steps or (cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0)
         if due:
-            from titan.runtime import checkpoint
             checkpoint.save(cfg.checkpoint_dir, step, params=self.params, tensors=tensors, optimizer=optimizer,
                             description=self._description())
