@@ -24,7 +24,9 @@ def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--steps", default=20, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
+@click.option("--steps", default=20, show_default=True, type=click.IntRange(min=0),
+              help="Train up to this step (counted from the start, also when resuming); 0 with --checkpoint-dir "
+                   "only checkpoints the initial weights.")
 @click.option("--lr", default=8e-4, show_default=True, type=float, help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for initial weights and synthetic data.")
 @click.option("--batch-size", default=None, type=int, help="Must equal the artifact's (it shapes the graphs).")
@@ -41,16 +43,23 @@ def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
               help="Seconds a rank waits in a collective (or for its peers) before the job fails.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")
+@click.option("--init-from-hf", default=None, type=click.Path(file_okay=False),
+              help="Load the initial weights from a Hugging Face Llama directory (config.json + safetensors).")
+@click.option("--checkpoint-dir", default=None, type=click.Path(file_okay=False),
+              help="Write DCP checkpoints (step-N/ directories) here, at the last step.")
+@click.option("--checkpoint-every", default=None, type=click.IntRange(min=1), help="Also checkpoint every K steps.")
+@click.option("--resume", is_flag=True, help="Continue from the latest complete checkpoint in --checkpoint-dir.")
 @user_errors
 def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, tensorboard, device, deterministic,
-         timeout_s, cuda_graphs):
+         timeout_s, cuda_graphs, init_from_hf, checkpoint_dir, checkpoint_every, resume):
     """Train from ARTIFACT (a directory written by titan-build)."""
     from titan.runtime.artifact import open_artifact
     from titan.runtime.train import RunConfig, rank_main
 
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics,
                     tensorboard=tensorboard, device=device, deterministic=deterministic, cuda_graphs=cuda_graphs,
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s, init_from_hf=init_from_hf, checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=checkpoint_every, resume=resume)
     if "RANK" in os.environ:
         from titan.runtime.distributed import exit_rank
         exit_rank(rank_main(artifact, cfg))
@@ -63,6 +72,8 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
         from titan.runtime.step_log import TENSORBOARD_HINT
         raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
     art.verify_all()
+    from titan.runtime.run_state import RunState
+    RunState(cfg, art.manifest, art.rank_meta(0)["params"]).close()  # its checks, once, before ranks start
     if device != "cpu":
         _check_gpus(art.world_size, device)
     from titan.runtime.launch import spawn_local

@@ -43,6 +43,16 @@ def shard_of(full: torch.Tensor, slices: list[list[int]]) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format) if slices else t
 
 
+def shard_box(slices: list[list[int]], global_shape: list[int]) -> tuple[list[int], list[int]]:
+    """Where the shard that `slices` cut lies in the global tensor: (offsets, sizes) per dim.
+    Every shard is such a box: each cut narrows one dim of the previous box."""
+    offsets, sizes = [0] * len(global_shape), list(global_shape)
+    for dim, parts, index in slices:
+        sizes[dim] //= parts
+        offsets[dim] += index * sizes[dim]
+    return offsets, sizes
+
+
 def materialize(param: dict, *, seed: int, device: torch.device) -> torch.Tensor:
     full = full_param(param["init"], param["global_shape"], fqn=param["fqn"], seed=seed, device=device)
     local = shard_of(full, param["slices"])

@@ -48,6 +48,14 @@ class RunConfig:
     """Longest wait in a collective or for peers to join before the rank fails."""
     deterministic: bool = False
     """Use deterministic kernels only (GPU runs are otherwise free to pick faster, racy ones)."""
+    init_from_hf: str | None = None
+    """Hugging Face Llama directory to load the initial weights from (instead of the seeded init)."""
+    checkpoint_dir: str | None = None
+    """Write DCP checkpoints here (at the last step, and every checkpoint_every steps)."""
+    checkpoint_every: int | None = None
+    """Also checkpoint every this many steps."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in checkpoint_dir."""
 
 
 # AdamW hyperparameters as torchtitan sets them; the eager reference uses the same.
@@ -72,7 +80,8 @@ def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
 class GraphProgram:
     """This rank's forward and backward graphs and its parameter shards."""
 
-    def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int):
+    def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
+                 load_param: Callable[[dict], torch.Tensor] | None = None):
         meta = artifact.rank_meta(rank)
         entry = artifact.rank_entry(rank)
         groups = group_names(mesh)
@@ -82,7 +91,8 @@ class GraphProgram:
                    layout=artifact.manifest["layout"],
                    graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})
         self.inputs = meta["forward_inputs"]
-        self.params = [materialize(p, seed=seed, device=device) for p in meta["params"]]
+        load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
+        self.params = [load_param(p) for p in meta["params"]]
         self.coords = meta["coords"]
 
     @torch.no_grad()
@@ -108,10 +118,12 @@ class GraphProgram:
 
 def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
                data, *, steps: int, device: torch.device, mesh, tokens_per_step: int,
-               log: Callable[[dict], None] | None) -> list[torch.Tensor]:
-    """Run `steps` optimizer steps; returns each step's loss summed over data-parallel ranks."""
+               log: Callable[[dict], None] | None, start: int = 0,
+               after_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """Run optimizer steps start+1 .. steps; returns each step's loss summed over data-parallel
+    ranks. `after_step(step)` runs after each (checkpointing)."""
     losses = []
-    for step in range(1, steps + 1):
+    for step in range(start + 1, steps + 1):
         tokens, labels = data.batch(step - 1)
         tokens, labels = tokens.to(device), labels.to(device)
         t0 = time.perf_counter()
@@ -127,6 +139,8 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
             if device.type == "cuda":
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             log(record)
+        if after_step is not None:
+            after_step(step)
     return losses
 
 
@@ -149,14 +163,22 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Ten
                   "NCCL collectives); --no-cuda-graphs keeps it", flush=True)
     init_process_group(env, device, timeout_s=cfg.timeout_s)
     mesh = build_mesh(artifact.mesh, device)
-    program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed)
+    # Initial state (seed / --init-from-hf / --resume) and checkpoints: runtime/run_state.py.
+    from titan.runtime.run_state import RunState
+    run_state = RunState(cfg, artifact.manifest, artifact.rank_meta(env.rank)["params"], device=device)
+    program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
+                           load_param=run_state.load_param)
     optimizer = make_optimizer(program.params, cfg.lr)
+    start = run_state.restore(program.params, optimizer)
+    if start == cfg.steps:  # --steps 0: only the initial state is checkpointed
+        run_state.after_step(start, program.params, optimizer)
     data = make_data(artifact.manifest, cfg, program.coords)
     m = artifact.manifest
     tokens_per_step = m["batch_size"] * m["seq_len"] * m["layout"]["dp_replicate"] * m["layout"]["dp_shard"]
     with step_function(program, cfg, device) as step:
         return train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
-                          tokens_per_step=tokens_per_step, log=_step_logger(cfg, env.rank == 0, cfg.steps))
+                          tokens_per_step=tokens_per_step, log=_step_logger(cfg, env.rank == 0, cfg.steps),
+                          start=start, after_step=lambda s: run_state.after_step(s, program.params, optimizer))
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """The runtime stays minimal: training from an artifact imports neither builder/model code nor
-torch._dynamo / torch._inductor, also when it writes TensorBoard scalars."""
+torch._dynamo / torch._inductor, also when it writes TensorBoard scalars, loads Hugging Face
+weights, checkpoints and resumes (torch.distributed.checkpoint is imported only then)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,44 @@ PROBE = """
 import os, sys
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 from titan.runtime.train import RunConfig, rank_main
-code = rank_main(sys.argv[1], RunConfig(steps=2, quiet=True, tensorboard=sys.argv[2] or None))
+code = rank_main(sys.argv[1], RunConfig(quiet=True, **eval(sys.argv[2])))
 bad = sorted(m for m in sys.modules if m.startswith(("titan.builder", "torch._dynamo", "torch._inductor")))
 print("BAD", bad)
+print("DCP", "torch.distributed.checkpoint" in sys.modules)
 print("TENSORBOARD", "torch.utils.tensorboard" in sys.modules)
 sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("tensorboard", [False, True], ids=["plain", "tensorboard"])
-def test_training_imports_no_builder_or_compiler(debug_artifact, tmp_path, tensorboard):
-    if tensorboard:
-        pytest.importorskip("tensorboard")
-    art = debug_artifact()
-    r = subprocess.run([sys.executable, "-c", PROBE, str(art), str(tmp_path / "tb") if tensorboard else ""],
-                       capture_output=True, text=True, timeout=300)
+def _probe(art, options: str):
+    r = subprocess.run([sys.executable, "-c", PROBE, str(art), options], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "BAD []" in r.stdout, r.stdout
-    assert f"TENSORBOARD {tensorboard}" in r.stdout
+    return r.stdout
+
+
+def test_training_imports_no_builder_or_compiler(debug_artifact):
+    out = _probe(debug_artifact(), "dict(steps=2)")
+    assert "DCP False" in out, "a run without checkpoints must not import torch.distributed.checkpoint"
+    assert "TENSORBOARD False" in out
+
+
+def test_tensorboard_scalars_import_no_builder_or_compiler(debug_artifact, tmp_path):
+    pytest.importorskip("tensorboard")
+    out = _probe(debug_artifact(), f"dict(steps=2, tensorboard={str(tmp_path / 'tb')!r})")
+    assert "TENSORBOARD True" in out
+
+
+def test_hf_init_checkpoint_and_resume_import_no_builder_or_compiler(debug_artifact, tmp_path):
+    import torch
+    transformers = pytest.importorskip("transformers")
+    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    hf = tmp_path / "hf"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                 vocab_size=2048, intermediate_size=704, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                 tie_word_embeddings=False)).save_pretrained(hf, safe_serialization=True)
+    art, ckpt = debug_artifact(), tmp_path / "ckpt"
+    assert "DCP True" in _probe(art, f"dict(steps=1, init_from_hf={str(hf)!r}, checkpoint_dir={str(ckpt)!r})")
+    _probe(art, f"dict(steps=2, resume=True, checkpoint_dir={str(ckpt)!r})")
+    assert (ckpt / "step-00000002" / "titan.json").is_file()

@@ -1,0 +1,35 @@
+"""titan-export: a titan checkpoint as a Hugging Face Llama directory (single process, no GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from titan.cli.errors import user_errors
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.option("--hf", "out", required=True, type=click.Path(file_okay=False),
+              help="New directory for config.json + model.safetensors.")
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]),
+              help="Element type of the written weights (the checkpoint holds fp32).")
+@user_errors
+def main(checkpoint, out, dtype):
+    """Write CHECKPOINT (a --checkpoint-dir, for its latest step, or one step-N directory) in
+    Hugging Face's Llama layout."""
+    from titan.runtime.checkpoint import load_full, resolve_checkpoint
+    from titan.runtime.hf_weights import export_hf
+
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"--hf {out} already exists; choose a new directory (titan-export never overwrites)")
+    step_dir = resolve_checkpoint(checkpoint, flag="titan-export", step_dir_ok=True)
+    description, tensors = load_full(step_dir)
+    export_hf(out, description, tensors, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    click.echo(f"wrote {out} ({len(tensors)} tensors, {dtype}) from {step_dir} (step {description['step']})")
+
+
+if __name__ == "__main__":
+    main()

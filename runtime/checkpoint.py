@@ -1,0 +1,241 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) of parameters and AdamW state.
+
+On disk, `--checkpoint-dir DIR` holds one directory per saved step:
+
+    DIR/step-00000003/shard-0000R-model-00001-of-00001.safetensors   (DCP, one file per writing rank)
+    DIR/step-00000003/titan.json                                      (step, layout, model config, ...)
+
+Every local shard is a box of its global tensor (runtime/init.py `shard_box`); DCP's plans are
+made from those boxes (runtime/dcp_boxes.py), so the checkpoint describes global boxes and loads
+into any layout (DCP reads the intersections). Boxes held by several ranks (replicated
+parameters) are written once (DCP deduplicates equal boxes). The files are written through DCP's safetensors storage:
+the offsets live in JSON safetensors headers, so loading unpickles nothing.
+
+Data needs no state of its own (a batch is a pure function of the step), and the training loop
+draws no random numbers, so the step is the whole data / RNG position.
+
+A step is written to `.step-N.partial` and renamed into place after every rank finished and
+titan.json was written (last): a complete step directory is never modified, and a crash
+leaves at most a partial directory that the next save of that step replaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan.runtime.init import shard_box
+
+STATE_FILE = "titan.json"
+CHECKPOINT_FORMAT = "titan-checkpoint"
+CHECKPOINT_VERSION = 1
+_STEP_DIR = re.compile(r"step-(\d{8})")
+
+
+def step_path(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def complete_steps(root: str | os.PathLike) -> list[int]:
+    """Steps with a complete checkpoint under `root`, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        m = _STEP_DIR.fullmatch(child.name)
+        if m and (child / STATE_FILE).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def resolve_checkpoint(path: str | os.PathLike, *, flag: str, step_dir_ok: bool) -> Path:
+    """The latest complete step directory of a --checkpoint-dir (or, if `step_dir_ok`, a step
+    directory itself)."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        if step_dir_ok:
+            return path
+        raise ValueError(f"{flag} {path} is one step's directory; pass the directory that holds the step-N "
+                         f"directories ({path.parent})")
+    steps = complete_steps(path)
+    if not steps:
+        fix = ("point it at a --checkpoint-dir written by titan-run" if step_dir_ok else
+               "train with --checkpoint-dir first, or drop --resume to start from scratch")
+        raise ValueError(f"{flag} {path}: no complete checkpoint there (no step-*/{STATE_FILE}); {fix}")
+    return step_path(path, steps[-1])
+
+
+def read_state(step_dir: Path) -> dict:
+    path = step_dir / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e}); resume from another step directory") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a titan checkpoint description; resume from a --checkpoint-dir "
+                         "written by titan-run")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"{path} has checkpoint version {state.get('version')!r}; this titan reads version "
+                         f"{CHECKPOINT_VERSION}")
+    return state
+
+
+def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: list[dict]) -> None:
+    """The checkpoint is of the artifact's model: same config, same parameters and global shapes."""
+    if state.get("model_config") != model_config:
+        theirs = state.get("model_config") or {}
+        diff = [f"{k} {theirs.get(k)!r} (artifact: {v!r})" for k, v in model_config.items() if theirs.get(k) != v]
+        raise ValueError(f"{step_dir} is a checkpoint of a different model: {', '.join(diff) or 'other fields'}; "
+                         "resume with an artifact built for that model, or use another --checkpoint-dir")
+    shapes = {p["fqn"]: list(p["global_shape"]) for p in params}
+    if state.get("params") != shapes:
+        raise ValueError(f"{step_dir} holds other parameters or shapes than the artifact; resume with an "
+                         "artifact built for that model, or use another --checkpoint-dir")
+
+
+def check_complete(step_dir: Path) -> None:
+    """Every tensor of the checkpoint is covered by its saved pieces (no shard file is missing)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from titan.runtime.dcp_boxes import check_covered
+    try:
+        metadata = HuggingFaceStorageReader(str(step_dir)).read_metadata()
+    except Exception as e:  # a truncated or foreign file: safetensors raises its own error types
+        raise ValueError(f"{step_dir}: a shard file is unreadable ({type(e).__name__}: {e}); resume from "
+                         "another checkpoint") from None
+    description = read_state(step_dir)
+    for fqn, shape in description["params"].items():
+        for family in ("model", "optim.exp_avg", "optim.exp_avg_sq"):
+            check_covered(metadata, f"{family}.{fqn}", shape, where=str(step_dir))
+
+
+def check_fresh(root: str | os.PathLike) -> None:
+    """A run that does not resume must not write into another run's checkpoints."""
+    if (Path(root) / STATE_FILE).is_file():
+        raise ValueError(f"--checkpoint-dir {root} is one step's directory of another run; choose an empty "
+                         "--checkpoint-dir")
+    steps = complete_steps(root)
+    if steps:
+        raise ValueError(f"--checkpoint-dir {root} already holds checkpoints (latest step {steps[-1]}); pass "
+                         "--resume to continue from it, or choose an empty --checkpoint-dir")
+
+
+def dcp_state(params: list[dict], tensors: list[torch.Tensor], optimizer) -> tuple[dict, dict]:
+    """The DCP state dict over this rank's live tensors (saving reads them, loading fills them)
+    and each entry's box in its global tensor."""
+    state, boxes = {}, {}
+    for meta, p, m, v in zip(params, tensors, optimizer.exp_avg, optimizer.exp_avg_sq):
+        fqn = meta["fqn"]
+        offsets, sizes = shard_box(meta["slices"], meta["global_shape"])
+        for key, t in ((f"model.{fqn}", p), (f"optim.exp_avg.{fqn}", m), (f"optim.exp_avg_sq.{fqn}", v)):
+            state[key] = t
+            boxes[key] = (offsets, sizes, list(meta["global_shape"]))
+    return state, boxes
+
+
+def save(root: str | os.PathLike, step: int, *, params: list[dict], tensors: list[torch.Tensor], optimizer,
+         description: dict) -> Path:
+    """Collective: every rank calls it. Returns the complete step directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    root = Path(root)
+    final = step_path(root, step)
+    partial = root / f".{final.name}.partial"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a crashed save of this step: never a complete one
+        partial.mkdir()
+    if dist.is_initialized():
+        dist.barrier()
+    from titan.runtime.dcp_boxes import BoxSavePlanner
+    state, boxes = dcp_state(params, tensors, optimizer)
+    _dcp_call(dcp.save, state, planner=BoxSavePlanner(boxes),
+              storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
+    if rank0:
+        written = dict(description, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, step=step,
+                       optimizer_steps=optimizer.steps, params={p["fqn"]: list(p["global_shape"]) for p in params},
+                       created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        with open(partial / STATE_FILE, "w") as f:
+            json.dump(written, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(partial, final)
+        fd = os.open(root, os.O_RDONLY)  # make the rename itself durable
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def load(step_dir: Path, *, params: list[dict], tensors: list[torch.Tensor], optimizer) -> dict:
+    """Collective: fill this rank's parameters and AdamW state from `step_dir`; returns its titan.json."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from titan.runtime.dcp_boxes import BoxLoadPlanner
+    description = read_state(step_dir)
+    state, boxes = dcp_state(params, tensors, optimizer)
+    _dcp_call(dcp.load, state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
+              storage_reader=HuggingFaceStorageReader(str(step_dir)))
+    optimizer.steps = int(description["optimizer_steps"])
+    return description
+
+
+def load_full(step_dir: Path, *, families: tuple[str, ...] = ("model",)) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Single process: the checkpoint's titan.json and its full (global) tensors by fqn, for
+    each family ("model", "optim.exp_avg", "optim.exp_avg_sq"; keys "<family>.<fqn>" when
+    several are asked for, plain fqns for one)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from titan.runtime.dcp_boxes import BoxLoadPlanner
+
+    description = read_state(step_dir)
+    shapes = description.get("params")
+    if not isinstance(shapes, dict):
+        raise ValueError(f"{step_dir / STATE_FILE} lists no parameters; it was not written by titan-run")
+    state = {f"{family}.{fqn}": torch.empty(shape, dtype=torch.float32)
+             for family in families for fqn, shape in shapes.items()}
+    boxes = {f"{family}.{fqn}": ([0] * len(shape), list(shape), list(shape))
+             for family in families for fqn, shape in shapes.items()}
+    _dcp_call(dcp.load, state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
+              storage_reader=HuggingFaceStorageReader(str(step_dir)))
+    if len(families) == 1:
+        state = {key[len(families[0]) + 1:]: t for key, t in state.items()}
+    return description, state
+
+
+def _dcp_call(fn, *args, **kwargs):
+    """DCP reports a failure on any rank as CheckpointException (not an Exception subclass) on
+    every rank; it is turned into a ValueError naming the first failure (a checkpoint that does
+    not fit, a missing file, a full disk), so that it reaches the user as one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        if dist.is_initialized():
+            return fn(*args, **kwargs)
+        with warnings.catch_warnings():  # "assuming the intent is to ... in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            return fn(*args, no_dist=True, **kwargs)
+    except CheckpointException as e:
+        failures = list(getattr(e, "failures", {}).values())
+        first = failures[0] if failures else e
+        if isinstance(first, tuple):  # (exception, traceback) in some torch releases
+            first = first[0]
+        if isinstance(first, ValueError):
+            raise ValueError(str(first).splitlines()[0]) from None
+        raise ValueError(f"checkpoint {'save' if fn.__name__ == 'save' else 'load'} failed: "
+                         f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}") from None

@@ -1,0 +1,187 @@
+"""DCP checkpoints: a resumed run continues with exactly the losses of an uninterrupted one, a
+checkpoint moves between layouts exactly, and bad checkpoints are refused losing nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import read_metrics, titan
+
+PROBE_RESHARD = """
+# Load a checkpoint into this artifact's layout and save it again, through the runtime's own
+# checkpoint functions (no training step in between).
+import sys
+from pathlib import Path
+import torch
+from titan.runtime import checkpoint
+from titan.runtime.artifact import open_artifact
+from titan.runtime.distributed import RankEnv, exit_rank, init_process_group, shutdown
+from titan.runtime.train import make_optimizer
+
+env = RankEnv.from_environ()
+init_process_group(env, torch.device("cpu"))
+art = open_artifact(sys.argv[1])
+params = art.rank_meta(env.rank)["params"]
+tensors = [torch.full(p["local_shape"], float("nan")) for p in params]
+optimizer = make_optimizer(tensors, 0.0)
+for buf in optimizer.exp_avg + optimizer.exp_avg_sq:
+    buf.fill_(float("nan"))
+state = checkpoint.load(Path(sys.argv[2]), params=params, tensors=tensors, optimizer=optimizer)
+checkpoint.save(sys.argv[3], state["step"], params=params, tensors=tensors, optimizer=optimizer,
+                description=dict(state, layout=art.manifest["layout"]))
+shutdown()
+exit_rank(0)
+"""
+
+FAMILIES = ("model", "optim.exp_avg", "optim.exp_avg_sq")
+
+
+def _losses(path: Path) -> list[float]:
+    # --metrics writes json floats (repr of the float64 value of an fp32 loss): exact.
+    return [rec["loss"] for rec in read_metrics(path)]
+
+
+def _run(art, *args):
+    r = titan("run", art, *args)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_resume_continues_with_the_uninterrupted_losses(debug_artifact, tmp_path):
+    art = debug_artifact(tp=2)
+    whole, first, second, ckpt = (tmp_path / n for n in ("whole.jsonl", "first.jsonl", "second.jsonl", "ckpt"))
+    _run(art, "--steps", 6, "--metrics", whole)
+    _run(art, "--steps", 3, "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--metrics", first)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
+    _run(art, "--steps", 6, "--checkpoint-dir", ckpt, "--resume", "--metrics", second)
+    assert [r["step"] for r in read_metrics(second)] == [4, 5, 6]
+    resumed = torch.tensor(_losses(first) + _losses(second), dtype=torch.float64)
+    uninterrupted = torch.tensor(_losses(whole), dtype=torch.float64)
+    assert torch.equal(resumed, uninterrupted), (resumed, uninterrupted)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003", "step-00000006"]
+    state = json.loads((ckpt / "step-00000006" / "titan.json").read_text())
+    assert (state["step"], state["optimizer_steps"], state["layout"]["tp"]) == (6, 6, 2)
+
+
+def test_tp_checkpoint_trains_on_fsdp_like_a_fresh_fsdp_run(debug_artifact, tmp_path):
+    """The seeded initial weights, checkpointed by tp=2 (step 0), resumed on dp_shard=2: the
+    same losses, bit for bit, as dp_shard=2 starting from the seed itself."""
+    tp, fsdp = debug_artifact(tp=2), debug_artifact(dp_shard=2)
+    ckpt, resumed, fresh = tmp_path / "ckpt", tmp_path / "resumed.jsonl", tmp_path / "fresh.jsonl"
+    _run(tp, "--steps", 0, "--checkpoint-dir", ckpt)
+    _run(fsdp, "--steps", 3, "--checkpoint-dir", ckpt, "--resume", "--metrics", resumed)
+    _run(fsdp, "--steps", 3, "--metrics", fresh)
+    assert _losses(resumed) == _losses(fresh)
+
+
+def test_reshard_fsdp_checkpoint_to_tp_exactly(debug_artifact, tmp_path):
+    """A trained dp_shard=2 checkpoint (parameters and AdamW state) loaded by tp=2 ranks and
+    saved again holds exactly the same global tensors, though cut into other boxes."""
+    from titan.runtime.checkpoint import load_full
+
+    tp, fsdp = debug_artifact(tp=2), debug_artifact(dp_shard=2)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "resharded"
+    _run(fsdp, "--steps", 2, "--checkpoint-dir", ckpt)
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE_RESHARD)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(probe), str(tp),
+                        str(ckpt / "step-00000002"), str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before, after = load_full(ckpt / "step-00000002", families=FAMILIES), load_full(out / "step-00000002",
+                                                                                   families=FAMILIES)
+    assert before[1].keys() == after[1].keys()
+    for key, tensor in before[1].items():
+        assert not tensor.isnan().any(), key
+        assert torch.equal(tensor, after[1][key]), key
+    assert after[0]["optimizer_steps"] == 2
+    # Not trivially the same files: FSDP cut wo by rows, tp by columns.
+    with safe_open(next((ckpt / "step-00000002").glob("*.safetensors")), "pt") as f:
+        fsdp_box = f.get_slice("model.layers.0.attention.wo.weight").get_shape()
+    with safe_open(next((out / "step-00000002").glob("*.safetensors")), "pt") as f:
+        tp_box = f.get_slice("model.layers.0.attention.wo.weight").get_shape()
+    assert (fsdp_box, tp_box) == ([128, 256], [256, 128])
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _one_error(r) -> str:
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_bad_checkpoints_are_refused_and_nothing_is_lost(debug_artifact, tmp_path):
+    art = debug_artifact(tp=2)
+    ckpt = tmp_path / "ckpt"
+    _run(art, "--steps", 2, "--checkpoint-dir", ckpt)
+    digest = _tree_digest(ckpt)
+
+    line = _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", tmp_path / "empty", "--resume"))
+    assert "no complete checkpoint" in line and "drop --resume" in line
+    line = _one_error(titan("run", art, "--steps", 4, "--resume"))
+    assert "--resume needs --checkpoint-dir" in line
+    line = _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", ckpt))
+    assert "already holds checkpoints (latest step 2)" in line and "--resume" in line
+    line = _one_error(titan("run", art, "--steps", 2, "--checkpoint-dir", ckpt, "--resume"))
+    assert "already at step 2" in line and "--steps > 2" in line
+    line = _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", ckpt, "--resume", "--seed", 5))
+    assert "resume with --seed 0" in line
+    assert _tree_digest(ckpt) == digest, "a refused run must not touch the checkpoints"
+
+    other = tmp_path / "other"
+    (other / "step-00000002").mkdir(parents=True)
+    for f in (ckpt / "step-00000002").iterdir():
+        (other / "step-00000002" / f.name).write_bytes(f.read_bytes())
+    state_file = other / "step-00000002" / "titan.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps(dict(state, model_config=dict(state["model_config"], dim=512))))
+    line = _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", other, "--resume"))
+    assert "different model" in line and "dim 512 (artifact: 256)" in line
+    state_file.write_text("{not json")
+    # A garbled description is not a complete checkpoint of the newest step: refused, not skipped.
+    assert "not readable JSON" in _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", other, "--resume"))
+
+    state_file.write_text(json.dumps(state))
+    next(state_file.parent.glob("shard-00001-*.safetensors")).unlink()
+    line = _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", other, "--resume"))
+    assert "do not cover it" in line
+
+    # A crashed save leaves only a partial directory: resuming ignores it and the next save of
+    # that step replaces it.
+    (ckpt / ".step-00000003.partial").mkdir()
+    (ckpt / ".step-00000003.partial" / "junk").write_text("x")
+    _run(art, "--steps", 3, "--checkpoint-dir", ckpt, "--resume")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
+    assert {k: v for k, v in _tree_digest(ckpt).items() if k.startswith("step-00000002")} == digest
+
+
+@pytest.mark.parametrize("slices", [[], [[0, 2, 1]], [[1, 2, 0], [0, 2, 1]], [[0, 2, 1], [0, 4, 3]], [[1, 4, 2], [0, 8, 7]]])
+def test_a_shard_is_the_box_its_slices_describe(slices):
+    from titan.runtime.init import shard_box, shard_of
+
+    full = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
+    offsets, sizes = shard_box(slices, [64, 32])
+    box = full[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
+    assert torch.equal(box, shard_of(full, slices))
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--checkpoint-every", 2), ["--checkpoint-every needs --checkpoint-dir"]),
+    (("--resume", "--checkpoint-dir", "ckpt", "--init-from-hf", "hf"), ["pass only one of them"]),
+])
+def test_inconsistent_checkpoint_options_are_refused(args, words, debug_artifact, tmp_path):
+    args = [str(tmp_path / a) if a in ("ckpt", "hf") else a for a in args]
+    line = _one_error(titan("run", debug_artifact(tp=2), "--steps", 2, *args))
+    for w in words:
+        assert w in line, line
