@@ -127,6 +127,11 @@ def _plan_diff(a: list[dict], b: list[dict]) -> list[Difference]:
     return out
 
 
+def _param_order(fqn: str) -> tuple:
+    """Parameters in model order: layers by number."""
+    return tuple(int(p) if p.isdigit() else p for p in fqn.split("."))
+
+
 def _meta_diff(a: dict, b: dict) -> list[Difference]:
     a = {k: v for k, v in a.items() if k not in _META_IGNORED}
     b = {k: v for k, v in b.items() if k not in _META_IGNORED}
@@ -137,12 +142,21 @@ def _meta_diff(a: dict, b: dict) -> list[Difference]:
     if sa != sb:
         out.append(Difference("rank", "static inputs", f"static input indices: {_short(sa)} -> {_short(sb)}"))
     out += _dict_diff(a, b, "rank", "rank metadata")
-    for fqn in sorted(set(pa) | set(pb)):
+    changes = []
+    for fqn in sorted(set(pa) | set(pb), key=_param_order):
         x, y = pa.get(fqn), pb.get(fqn)
         if x is None or y is None:
             out.append(Difference("rank", "rank metadata", f"param {fqn} {'added' if x is None else 'removed'}"))
         elif x != y:
-            out += _dict_diff(x, y, "rank", "rank metadata", f"params[{fqn}].")
+            changes += [(d.detail.split(": ", 1)[1], fqn, d) for d in _dict_diff(x, y, "rank", "rank metadata", "")]
+    # One line per distinct change (e.g. every tp-sharded parameter moving to this rank's slice).
+    by_change: dict[str, list] = {}
+    for change, fqn, d in changes:
+        by_change.setdefault(f"{d.detail.split(':', 1)[0]}: {change}", []).append(fqn)
+    for change, fqns in by_change.items():
+        field, what = change.split(": ", 1)
+        names = ", ".join(fqns[:3]) + (f", ... ({len(fqns)} params)" if len(fqns) > 3 else "")
+        out.append(Difference("rank", "rank metadata", f"params {field}: {what} for {names}"))
     return out
 
 
@@ -237,7 +251,7 @@ def diff_ranks(left: Artifact, left_rank: int, right: Artifact, right_rank: int,
         ma = {k: v for k, v in left.manifest.items() if k not in _MANIFEST_IGNORED}
         mb = {k: v for k, v in right.manifest.items() if k not in _MANIFEST_IGNORED}
         report.differences += _dict_diff(ma, mb, "manifest", "manifest")
-    report.differences += _meta_diff(left.rank_meta(left_rank), right.rank_meta(right_rank))
+    rank_differences = _meta_diff(left.rank_meta(left_rank), right.rank_meta(right_rank))
     ea, eb = left.rank_entry(left_rank), right.rank_entry(right_rank)
     for kind in graphs:
         ha, hb = left.manifest["files"][ea[kind]], right.manifest["files"][eb[kind]]
@@ -249,4 +263,5 @@ def diff_ranks(left: Artifact, left_rank: int, right: Artifact, right_rank: int,
         report.differences += _GraphDiff(kind, a["nodes"], b["nodes"]).run()
         if a.get("constants") != b.get("constants"):
             report.differences.append(Difference(kind, "constants", "tensor constants differ"))
+    report.differences += rank_differences  # after the graphs: what a reader looks for first
     return report
