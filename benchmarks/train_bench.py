@@ -14,7 +14,8 @@ compile: the same, each transformer block torch.compile'd; 'compile' starts from
 titan:   titan-build (outside the timed run; a cache hit when built before), then titan-run
          with the default passes and CUDA graphs. Ablation rows (TITAN_VARIANTS): titan-nopass
          (no bucketing, no overlap), titan-bucket (FSDP bucketing without reordering),
-         titan-overlap (reordering without bucketing), titan-nocg (default passes, no CUDA graphs).
+         titan-overlap (reordering without bucketing), titan-nocg (default passes, no CUDA graphs);
+         titan-fuse adds the numerics-changing fusion regions (titan-build --fuse).
 
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
 bf16 matmul rate measured here, time from process start to the end of the first step,
@@ -39,13 +40,14 @@ LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsd
            "dp2tp2": dict(dp_shard=2, tp=2), "tp2dp2": dict(dp_shard=2, tp=2)}
 
 
-# mode -> (--passes for titan-build or None for the default set, extra titan-run flags, needs FSDP)
+# mode -> (extra titan-build flags, extra titan-run flags, needs FSDP)
 TITAN_VARIANTS = {
-    "titan": (None, [], False),
-    "titan-nopass": ("mask_index_put_to_where", [], False),
-    "titan-bucket": ("mask_index_put_to_where,bucket_all_gather,bucket_reduce_scatter", [], True),
-    "titan-overlap": ("mask_index_put_to_where,overlap_collectives", [], False),
-    "titan-nocg": (None, ["--no-cuda-graphs"], False),
+    "titan": ([], [], False),
+    "titan-nopass": (["--passes", "mask_index_put_to_where"], [], False),
+    "titan-bucket": (["--passes", "mask_index_put_to_where,bucket_all_gather,bucket_reduce_scatter"], [], True),
+    "titan-overlap": (["--passes", "mask_index_put_to_where,overlap_collectives"], [], False),
+    "titan-nocg": ([], ["--no-cuda-graphs"], False),
+    "titan-fuse": (["--fuse"], [], False),
 }
 
 
@@ -195,12 +197,11 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
     if mode == "compile":
         shutil.rmtree(tmp / "inductor", ignore_errors=True)
     if mode in TITAN_VARIANTS:
-        passes, run_flags, _ = TITAN_VARIANTS[mode]
+        build_flags, run_flags, _ = TITAN_VARIANTS[mode]
         art = tmp / f"{mode}-{layout}"
         build = [sys.executable, "-m", "titan.cli.build", "--flavor", opts.flavor, "--seq-len", str(opts.seq_len),
                  "--batch-size", str(opts.batch_size), "--dtype", "bf16", "--out", str(art)]
-        if passes is not None:
-            build += ["--passes", passes]
+        build += build_flags
         for k, v in LAYOUTS[layout].items():
             build += [f"--{k.replace('_', '-')}", str(v)]
         if opts.flavor == "debug":

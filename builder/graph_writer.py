@@ -102,6 +102,8 @@ def encode_graph(gm: fx.GraphModule, *, group_names: dict[str, str]) -> bytes:
         module = _module_path(n)
         if module:
             rec["module"] = module
+        if n.meta.get("titan_region"):
+            rec["region"] = n.meta["titan_region"]
         nodes.append(rec)
     doc = {"format": FORMAT, "version": VERSION, "nodes": nodes,
            "constants": safetensors.torch.save(constants) if constants else None}

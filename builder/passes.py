@@ -98,6 +98,10 @@ PASSES: dict[str, GraphPass] = {
         "titan.builder.bucketing:bucket_reduce_scatter_pass", True,
         "one FSDP gradient reduce-scatter per transformer block on a flat buffer (each element "
         "summed over the same ranks)", needs=("dp_shard",)),
+    "fuse_regions": GraphPass(
+        "titan.builder.regions:fuse_regions_pass", False,
+        "titan-build --fuse: mark RMSNorm, RoPE, SwiGLU and the loss for fused kernels that titan-run "
+        "generates on its GPU (last-bit differences from eager)"),
     "overlap_collectives": GraphPass(
         "titan.builder.overlap:overlap_collectives_pass", True,
         "reorder only: issue collectives early (FSDP all-gathers one block ahead), wait late "

@@ -27,6 +27,9 @@ from titan.cli.errors import user_errors
 @click.option("--ac", default="none", show_default=True, type=click.Choice(["none", "full", "selective"]),
               help="Activation checkpointing: recompute block activations in the backward (full), or all but "
                    "matmul/attention outputs (selective).")
+@click.option("--fuse", is_flag=True,
+              help="Also run the fuse_regions pass: RMSNorm, RoPE, SwiGLU and the loss become kernels that titan-run "
+                   "generates on its GPU (faster; numerics differ from eager in the last bits).")
 @click.option("--list-passes", is_flag=True, help="Describe the available passes and exit.")
 @click.option("--partitioner", default="min_cut", show_default=True, help="Forward/backward partitioner: min_cut or default.")
 @click.option("--out", default=None, type=click.Path(path_type=Path), help="Output directory (default: artifacts/<name>).")
@@ -35,7 +38,7 @@ from titan.cli.errors import user_errors
               help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @user_errors
-def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, ac, list_passes, partitioner, out,
+def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
          jobs, cache_dir, explain):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     if list_passes:
@@ -53,7 +56,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     from titan.cli.build_progress import BuildProgress
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
-                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac,
+                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac, fuse=fuse,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p))
     out = out or Path("artifacts") / spec.name
     jobs = jobs or os.cpu_count() or 1

@@ -61,7 +61,19 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
         for i, (a, b) in enumerate(zip(eager, graph), 1):
             print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {'yes' if bool((a == b).all()) else 'NO'}")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
+        changing = _numerics_changing_passes(artifact)
+        if changing and not equal:
+            worst = max(abs(a.item() - b.item()) / max(abs(a.item()), 1e-30) for a, b in zip(eager, graph))
+            print(f"note: built with passes that change numerics ({', '.join(changing)}); largest relative loss "
+                  f"difference {worst:.2e}", flush=True)
     return 0 if equal else 1
+
+
+def _numerics_changing_passes(artifact: str) -> list[str]:
+    from titan.builder.passes import PASSES
+    from titan.runtime.artifact import open_artifact
+    passes = open_artifact(artifact).manifest["passes"]
+    return [p for p in passes if p in PASSES and not PASSES[p].preserves_numerics]
 
 
 if __name__ == "__main__":

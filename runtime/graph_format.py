@@ -29,6 +29,9 @@ import torch.fx as fx
 
 from titan.runtime.graph_doc import FORMAT, MAX_ELEMENTS, VERSION, GraphFormatError, read_doc  # noqa: F401
 
+# A fusion region tag (titan-build --fuse): "<kind>#<n>"; runtime/fusion.py compiles each region.
+REGION = re.compile(r"(rms_norm|rope|swiglu|loss)#\d{1,6}")
+
 ALLOWED_NAMESPACES = ("aten", "prims", "_c10d_functional", "titan")
 # aten ops that touch the file system, or address memory by raw strides / storage (which a
 # crafted graph could point outside its buffers), are never loaded.
@@ -268,6 +271,11 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> 
         else:
             raise GraphFormatError(f"node {i}: unknown op kind {op!r}")
         node.meta["titan_val"] = rec.get("val")
+        region = rec.get("region")
+        if region is not None:
+            if op != "call_function" or not isinstance(region, str) or not REGION.fullmatch(region):
+                raise GraphFormatError(f"node {i}: region {region!r} is not a fusion region tag")
+            node.meta["titan_region"] = region
         nodes.append(node)
     if nodes[-1].op != "output":
         raise GraphFormatError("graph has no output node")

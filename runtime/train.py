@@ -77,6 +77,15 @@ def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
                      dp_degree=layout["dp_replicate"] * layout["dp_shard"], **common)
 
 
+def _compile_fusion_regions(forward, backward, device: torch.device):
+    """--fuse artifacts: regions become generated kernels (the only path that imports inductor)."""
+    from titan.runtime.fusion import FusionStats, KernelStore, compile_regions, kernel_store_root
+    stats, memo, store = FusionStats(), {}, KernelStore(kernel_store_root())
+    for gm in (forward, backward):
+        compile_regions(gm, device=device, store=store, stats=stats, memo=memo)
+    return stats
+
+
 class GraphProgram:
     """This rank's forward and backward graphs and its parameter shards."""
 
@@ -90,6 +99,9 @@ class GraphProgram:
         check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
                    layout=artifact.manifest["layout"],
                    graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})
+        self.fusion = None
+        if "fuse_regions" in artifact.manifest["passes"]:
+            self.fusion = _compile_fusion_regions(self.forward, self.backward, device)
         self.inputs = meta["forward_inputs"]
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
         self.params = [load_param(p) for p in meta["params"]]
@@ -168,6 +180,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Ten
     run_state = RunState(cfg, artifact.manifest, artifact.rank_meta(env.rank)["params"], device=device)
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                            load_param=run_state.load_param)
+    if program.fusion is not None and env.rank == 0 and not cfg.quiet:
+        print(program.fusion.line(), flush=True)
     optimizer = make_optimizer(program.params, cfg.lr)
     start = run_state.restore(program.params, optimizer)
     if start == cfg.steps:  # --steps 0: only the initial state is checkpointed

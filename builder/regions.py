@@ -1,0 +1,160 @@
+"""Fusion regions (titan-build --fuse): RMSNorm, RoPE, SwiGLU and the loss.
+
+The pass groups the element-wise and reduction work of each such module instance into
+regions, orders the graph so that each region's nodes are consecutive, and tags them
+(node.meta["titan_region"] = "<kind>#<n>", written to the graph as the node's "region").
+titan-run compiles each region into generated kernels on the device it trains on
+(runtime/fusion.py). Matmuls, attention and collectives stay outside regions. Fused kernels
+keep intermediates in registers and reduce in their own order, so results differ from eager
+in the last bits: the pass is opt-in and labeled as changing numerics.
+
+A region is a connected set of same-module nodes that is convex (no path leaves it and comes
+back), so that it can run as one call; a set that is not convex is cut into runs of nodes that
+are consecutive in graph order, which always are.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+
+import torch
+import torch.fx as fx
+
+from titan.builder.collectives import STARTS, WAIT, module_path
+from titan.builder.passes import PassContext
+
+aten = torch.ops.aten
+# Left to their own libraries: matmuls (cuBLAS), attention (flash), collectives (NCCL).
+_NOT_FUSED = {aten.mm.default, aten.bmm.default, aten.addmm.default, WAIT, *STARTS}
+MIN_REGION_OPS = 2
+
+
+def region_kind(module: str) -> str | None:
+    """The region kind of a node produced by `module`, or None (not fused)."""
+    parts = module.split(".") if module else []
+    if not parts:
+        return "loss"  # the RoPE tables, the loss and its gradient: no module of their own
+    if parts[-1] in ("attention_norm", "ffn_norm", "norm"):
+        return "rms_norm"
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] == "attention":
+        return "rope"
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] == "feed_forward":
+        return "swiglu"
+    return None
+
+
+def _fusable(n: fx.Node, tagged: dict[fx.Node, str]) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return n.args[0] in tagged
+    return isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten" and n.target not in _NOT_FUSED
+
+
+def _components(nodes: list[fx.Node], key: dict[fx.Node, str]) -> list[list[fx.Node]]:
+    """Connected components of same-key nodes (data edges), each in graph order."""
+    parent = {n: n for n in nodes}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in key and key[a] == key[n]:
+                parent[find(a)] = find(n)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        groups.setdefault(find(n), []).append(n)
+    return list(groups.values())
+
+
+def _convex(group: list[fx.Node], pos: dict[fx.Node, int]) -> bool:
+    members = set(group)
+    last = max(pos[n] for n in group)
+    stack = [u for n in group for u in n.users if u not in members and pos[u] < last]
+    seen = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u in members:
+                return False
+            if pos[u] < last:
+                stack.append(u)
+    return True
+
+
+def _runs(group: list[fx.Node], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    runs: list[list[fx.Node]] = []
+    for n in group:
+        if runs and pos[n] == pos[runs[-1][-1]] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return runs
+
+
+def _order_regions_contiguously(graph: fx.Graph, region_of: dict[fx.Node, int]) -> None:
+    """Topological order in which each region's nodes are consecutive (a region is emitted
+    as a whole once all its outside inputs are), otherwise as close to the current order as
+    possible."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    unit = {n: ("r", region_of[n]) if n in region_of else ("n", pos[n]) for n in nodes}
+    members: dict[tuple, list[fx.Node]] = {}
+    for n in nodes:
+        members.setdefault(unit[n], []).append(n)
+    preds = {u: set() for u in members}
+    succs = {u: set() for u in members}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if unit[a] != unit[n]:
+                preds[unit[n]].add(unit[a])
+                succs[unit[a]].add(unit[n])
+    missing = {u: len(p) for u, p in preds.items()}
+    first = {u: pos[m[0]] for u, m in members.items()}
+    ready = [(first[u], u) for u in members if missing[u] == 0]
+    heapq.heapify(ready)
+    order: list[fx.Node] = []
+    while ready:
+        _, u = heapq.heappop(ready)
+        order += members[u]
+        for s in succs[u]:
+            missing[s] -= 1
+            if missing[s] == 0:
+                heapq.heappush(ready, (first[s], s))
+    assert len(order) == len(nodes), "regions must be convex"
+    output = order[-1]
+    assert output.op == "output"
+    for n in order[:-1]:
+        output.prepend(n)
+
+
+def fuse_regions_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
+    graph = gm.graph
+    key: dict[fx.Node, str] = {}
+    for n in graph.nodes:
+        kind = region_kind(module_path(n)) if _fusable(n, key) else None
+        if kind is not None:
+            key[n] = f"{kind}@{module_path(n)}"
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    regions: list[list[fx.Node]] = []
+    for group in _components([n for n in graph.nodes if n in key], key):
+        regions += [group] if _convex(group, pos) else _runs(group, pos)
+    # A region needs some computation: views alone compile to nothing.
+    regions = [r for r in regions
+               if sum(n.target is not operator.getitem and not n.target.is_view for n in r) >= MIN_REGION_OPS]
+    region_of = {n: i for i, r in enumerate(regions) for n in r}
+    _order_regions_contiguously(graph, region_of)
+    for i, r in enumerate(regions):
+        for n in r:
+            n.meta["titan_region"] = f"{key[n].split('@')[0]}#{i}"
+    graph.lint()
+    gm.recompile()
+    return gm

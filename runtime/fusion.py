@@ -1,0 +1,195 @@
+"""Generated kernels for the fusion regions of a `titan-build --fuse` artifact.
+
+A region is a run of consecutive nodes tagged "<kind>#<n>" by the builder. Each is cut out as
+its own small graph, compiled by inductor for this device (torch._inductor is imported only
+here, and only for artifacts with regions), and called in its place. Identical regions (every
+transformer block has the same ones) compile once.
+
+Compiled regions are kept in a kernel store next to the build cache, keyed by the region's
+code and input layouts, the device (GPU name and compute capability), and the torch and triton
+versions: the first run on a kind of GPU compiles and writes them; later runs load them. What
+is stored is inductor's compiled artifact, which is code: titan-run only loads entries that it
+wrote itself into the store, each checked against the sha256 recorded when it was written;
+treat the store like the Python environment (see README, Safety).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import operator
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+
+
+def kernel_store_root() -> Path:
+    """Beside the build cache: $TITAN_CACHE_DIR/kernels (default ~/.cache/titan/kernels)."""
+    return Path(os.environ.get("TITAN_CACHE_DIR") or "~/.cache/titan").expanduser() / "kernels"
+
+
+def has_regions(gm: fx.GraphModule) -> bool:
+    return any(n.meta.get("titan_region") for n in gm.graph.nodes)
+
+
+@dataclass
+class FusionStats:
+    regions: int = 0
+    compiled: int = 0
+    loaded: int = 0
+    reused: int = 0
+    unstored: int = 0
+    seconds: float = 0.0
+    kinds: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        return (f"fusion: {self.regions} regions ({kinds}): {self.compiled} compiled, {self.loaded} loaded from the "
+                f"kernel store, {self.reused} shared, in {self.seconds:.1f} s"
+                + (f" ({self.unstored} could not be stored)" if self.unstored else ""))
+
+
+def _device_tag(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+    return device.type
+
+
+def _versions() -> dict[str, str]:
+    out = {"torch": torch.__version__}
+    try:
+        out["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        out["triton"] = "none"
+    return out
+
+
+def _runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    runs: list[list[fx.Node]] = []
+    previous = None
+    for n in gm.graph.nodes:
+        tag = n.meta.get("titan_region")
+        if tag is not None and tag == previous:
+            runs[-1].append(n)
+        elif tag is not None:
+            runs.append([n])
+        previous = tag
+    return runs
+
+
+def _extract(run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """The run as a graph with canonical names, its outside inputs and its outputs."""
+    members = set(run)
+    inputs: list[fx.Node] = []
+    for n in run:
+        for a in n.all_input_nodes:
+            if a not in members and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in run if any(u not in members for u in n.users)]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, a in enumerate(inputs):
+        env[a] = graph.placeholder(f"in{i}")
+    for i, n in enumerate(run):
+        env[n] = graph.create_node("call_function", n.target, fx.node.map_arg(n.args, env.__getitem__),
+                                   fx.node.map_arg(n.kwargs, env.__getitem__), name=f"n{i}")
+    graph.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(torch.nn.Module(), graph), inputs, outputs
+
+
+def _example(node: fx.Node, device: torch.device) -> torch.Tensor:
+    val = node.meta.get("titan_val")
+    assert isinstance(val, dict) and "shape" in val, f"region input {node} is not a tensor"
+    return torch.empty_strided(val["shape"], val["stride"], dtype=getattr(torch, val["dtype"]), device=device)
+
+
+class KernelStore:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def load(self, key: str):
+        from torch._inductor import CompiledArtifact
+
+        path, digest = self.root / f"{key}.bin", self.root / f"{key}.sha256"
+        if not path.is_file() or not digest.is_file():
+            return None
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest.read_text().strip():
+            return None  # torn or edited: compile again and replace it
+        return CompiledArtifact.load(path=str(path), format="binary")
+
+    def save(self, key: str, compiled) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            compiled.save(path=tmp, format="binary")
+            digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+            os.replace(tmp, self.root / f"{key}.bin")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        sidecar = self.root / f".{key}.sha256.tmp{os.getpid()}"
+        sidecar.write_text(digest + "\n")
+        os.replace(sidecar, self.root / f"{key}.sha256")
+
+
+def _region_call(compiled, name: str):
+    def call(*args):
+        return compiled(*args)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelStore,
+                    stats: FusionStats, memo: dict) -> fx.GraphModule:
+    """Replace every region of `gm` with a call of its compiled kernels."""
+    from torch._inductor import standalone_compile
+
+    t0 = time.perf_counter()
+    context = {"device": _device_tag(device), **_versions()}
+    for run in _runs(gm):
+        tag = run[0].meta["titan_region"]
+        sub, inputs, outputs = _extract(run)
+        examples = [_example(a, device) for a in inputs]
+        spec = [[list(e.shape), list(e.stride()), str(e.dtype)] for e in examples]
+        key = hashlib.sha256(json.dumps([sub.code, spec, context]).encode()).hexdigest()[:32]
+        compiled = memo.get(key)
+        if compiled is not None:
+            stats.reused += 1
+        else:
+            compiled = store.load(key)
+            if compiled is not None:
+                stats.loaded += 1
+            else:
+                compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
+                stats.compiled += 1
+                try:
+                    store.save(key, compiled)
+                except RuntimeError:
+                    stats.unstored += 1  # inductor produced nothing it can serialize; compiled each run
+            memo[key] = compiled
+        stats.regions += 1
+        kind = tag.split("#")[0]
+        stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
+        graph = gm.graph
+        with graph.inserting_before(run[0]):
+            call = graph.call_function(_region_call(compiled, f"{kind}_region"), tuple(inputs))
+            results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+        for old, new in zip(outputs, results):
+            new.meta["titan_val"] = old.meta.get("titan_val")
+            old.replace_all_uses_with(new)
+        for n in reversed(run):
+            graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    stats.seconds += time.perf_counter() - t0
+    return gm

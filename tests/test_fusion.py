@@ -1,0 +1,47 @@
+"""titan-build --fuse: regions compiled by titan-run into generated kernels, stored, reloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from conftest import read_metrics, titan
+
+
+def _fusion_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("fusion: "))
+
+
+def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_artifact, tmp_path):
+    art = debug_artifact(dp_shard=2, extra=("--fuse",))
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["passes"][-1] == "fuse_regions"
+    listing = titan("build", "--list-passes").stdout
+    assert "fuse_regions [CHANGES NUMERICS (opt-in)]" in listing
+    env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
+    first = titan("run", art, "--steps", 3, "--metrics", tmp_path / "a.jsonl", env=env)
+    assert first.returncode == 0, first.stderr
+    line = _fusion_line(first.stdout)
+    # Two identical transformer blocks: the second block's regions reuse the first's kernels.
+    assert " 0 loaded from the kernel store" in line and "shared" in line and not line.startswith("fusion: 0 ")
+    compiled = int(line.split(": ")[2].split(" compiled")[0])
+    assert compiled > 0
+    again = titan("run", art, "--steps", 3, "--metrics", tmp_path / "b.jsonl", env=env)
+    assert again.returncode == 0, again.stderr
+    assert f"0 compiled, {compiled} loaded from the kernel store" in _fusion_line(again.stdout)
+    # Loaded kernels are the compiled ones: the same losses, bit for bit.
+    a, b = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    # An edited kernel file fails its recorded sha256 and is compiled again, never loaded.
+    victim = sorted((tmp_path / "cache" / "kernels").glob("*.bin"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    third = titan("run", art, "--steps", 1, env=env)
+    assert third.returncode == 0, third.stderr
+    assert f"1 compiled, {compiled - 1} loaded" in _fusion_line(third.stdout)
+    # Fused kernels reduce in their own order: close to eager, and titan-verify says why it differs.
+    v = titan("verify", art, "--steps", 3, "--json", tmp_path / "v.json", env=env)
+    losses = json.loads((tmp_path / "v.json").read_text())
+    for e, g in zip(losses["eager"], losses["artifact"]):
+        assert abs(float.fromhex(e) - float.fromhex(g)) <= 1e-5 * abs(float.fromhex(e))
+    if v.returncode == 1:
+        assert "built with passes that change numerics (fuse_regions)" in v.stdout
