@@ -170,6 +170,13 @@ def _spawn(cmd: list[str], world: int, env_extra: dict) -> float:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BENCH_T0=str(t0), **env_extra)
         procs.append(subprocess.Popen(cmd, env=env))
+    # One failed rank leaves its peers waiting in a collective: stop them.
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.5)
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"{cmd[:4]} failed: exit codes {codes}")

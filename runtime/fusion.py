@@ -57,9 +57,10 @@ class FusionStats:
 
 
 def _device_tag(device: torch.device) -> str:
+    """Generated CUDA code names its device index, so the index is part of the key."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor} {device}"
     return device.type
 
 
