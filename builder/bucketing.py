@@ -76,6 +76,20 @@ def _record(ctx: PassContext, kind: str, bucket: list[Collective], names: list[s
     })
 
 
+def _erase(graph: fx.Graph, bucket: list[Collective]) -> None:
+    """Drop the bucket's own collectives once the merged one serves their users."""
+    for c in bucket:
+        graph.erase_node(c.wait)
+        graph.erase_node(c.start)
+
+
+def _finish(gm: fx.GraphModule) -> fx.GraphModule:
+    stable_toposort(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 def bucket_all_gather_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     for bucket in _buckets(_fsdp(ctx, ALL_GATHER, graph)):
@@ -106,13 +120,8 @@ def bucket_all_gather_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphM
                 full = emit(graph, aten.view.default, (dense, list(c.wait.meta["val"].shape)), like=c.start)
                 c.wait.replace_all_uses_with(full)
                 offset += n
-        for c in bucket:
-            graph.erase_node(c.wait)
-            graph.erase_node(c.start)
-    stable_toposort(graph)
-    graph.lint()
-    gm.recompile()
-    return gm
+        _erase(graph, bucket)
+    return _finish(gm)
 
 
 def bucket_reduce_scatter_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
@@ -138,10 +147,5 @@ def bucket_reduce_scatter_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.Gr
                 shard = emit(graph, aten.view.default, (part, list(c.wait.meta["val"].shape)), like=c.start)
                 c.wait.replace_all_uses_with(shard)
                 offset += n
-        for c in bucket:
-            graph.erase_node(c.wait)
-            graph.erase_node(c.start)
-    stable_toposort(graph)
-    graph.lint()
-    gm.recompile()
-    return gm
+        _erase(graph, bucket)
+    return _finish(gm)

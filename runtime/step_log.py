@@ -36,12 +36,13 @@ class StepLog:
     """Rank 0's per-step reporter; call it with each step's record."""
 
     def __init__(self, *, total: int, metrics: str | None, tensorboard: str | None, show: bool,
-                 stream: TextIO = sys.stdout):
+                 stream: TextIO = sys.stdout, append: bool = False):
         self.total = total
         self.stream = stream
         self.show = show
         self.status = StatusLine(stream) if show and is_terminal(stream) else None
-        self.metrics = open(metrics, "w", buffering=1) if metrics else None
+        # A resumed run continues the metrics file of the run it resumes.
+        self.metrics = open(metrics, "a" if append else "w", buffering=1) if metrics else None
         self.writer = open_tensorboard(tensorboard) if tensorboard else None
         self.first_done: float | None = None
         self.first_step = 0

@@ -159,7 +159,8 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
 def _step_logger(cfg: RunConfig, is_rank0: bool, total: int):
     if not is_rank0:
         return None
-    return StepLog(total=total, metrics=cfg.metrics, tensorboard=cfg.tensorboard, show=not cfg.quiet)
+    return StepLog(total=total, metrics=cfg.metrics, tensorboard=cfg.tensorboard, show=not cfg.quiet,
+                   append=cfg.resume)
 
 
 def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Tensor]:

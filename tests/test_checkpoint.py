@@ -57,13 +57,14 @@ def _run(art, *args):
 
 def test_resume_continues_with_the_uninterrupted_losses(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
-    whole, first, second, ckpt = (tmp_path / n for n in ("whole.jsonl", "first.jsonl", "second.jsonl", "ckpt"))
+    whole, metrics, ckpt = (tmp_path / n for n in ("whole.jsonl", "metrics.jsonl", "ckpt"))
     _run(art, "--steps", 6, "--metrics", whole)
-    _run(art, "--steps", 3, "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--metrics", first)
+    _run(art, "--steps", 3, "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--metrics", metrics)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
-    _run(art, "--steps", 6, "--checkpoint-dir", ckpt, "--resume", "--metrics", second)
-    assert [r["step"] for r in read_metrics(second)] == [4, 5, 6]
-    resumed = torch.tensor(_losses(first) + _losses(second), dtype=torch.float64)
+    # The resumed run continues the same metrics file.
+    _run(art, "--steps", 6, "--checkpoint-dir", ckpt, "--resume", "--metrics", metrics)
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3, 4, 5, 6]
+    resumed = torch.tensor(_losses(metrics), dtype=torch.float64)
     uninterrupted = torch.tensor(_losses(whole), dtype=torch.float64)
     assert torch.equal(resumed, uninterrupted), (resumed, uninterrupted)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003", "step-00000006"]

@@ -104,3 +104,19 @@ def test_a_pass_that_cannot_apply_to_the_layout_fails_the_build(tmp_path):
     r = titan("build", "--flavor", "debug", "--tp", 2, "--passes", "bucket_all_gather", "--out", tmp_path / "x")
     assert r.returncode == 2 and not (tmp_path / "x").exists()
     assert r.stderr.strip() == "error: pass bucket_all_gather needs --dp-shard > 1 in the layout; drop it from --passes"
+
+
+def test_full_activation_checkpointing_recomputes_blocks_and_stays_bitwise(debug_artifact):
+    plain, full = debug_artifact(dp_shard=2), debug_artifact(dp_shard=2, extra=("--ac", "full"))
+    meta = {name: json.loads((art / "ranks" / "rank0.json").read_text()) for name, art in
+            (("none", plain), ("full", full))}
+    assert json.loads((full / "manifest.json").read_text())["ac"] == "full"
+    # Only the residual stream between blocks (and what no block owns) stays saved ...
+    assert 2 * meta["full"]["saved_activations"] <= meta["none"]["saved_activations"]
+    assert 2 * meta["full"]["saved_bytes"] <= meta["none"]["saved_bytes"]
+    # ... and the backward gathers each block's parameters again (reshard after forward).
+    regathered = [b["block"] for b in meta["full"]["bucket_plan"] if b["graph"] == "backward"
+                  and b["kind"] == "all_gather"]
+    assert regathered == ["layers.1", "layers.0"]
+    r = titan("verify", full, "--steps", 3)
+    assert r.returncode == 0 and "bitwise equal: yes" in r.stdout, r.stdout + r.stderr
