@@ -16,9 +16,11 @@ build8b() {
   titan-build --model llama3 --dtype bf16 --jobs 4 --out "artifacts/$name" "$@" > "$OUT/build-$name.txt" 2>&1
   echo "built $name: exit $? at $(elapsed) s"
 }
+MODES=${MODES:-eager,compile,titan,titan-fuse,titan-nocg}
 (
   build8b fsdp4 --dp-shard 4 & build8b tp4 --tp 4 & build8b fsdp4-fuse --dp-shard 4 --fuse &
-  build8b tp4-fuse --tp 4 --fuse & wait
+  build8b tp4-fuse --tp 4 --fuse &
+  build8b fsdp4-fuse-blocks --dp-shard 4 --fuse blocks & build8b tp4-fuse-blocks --tp 4 --fuse blocks & wait
 ) > "$OUT/builds.txt" 2>&1 &
 builds=$!
 wait_for() { until grep -q "built $1:" "$OUT/builds.txt" 2>/dev/null; do sleep 2; done; }
@@ -29,7 +31,7 @@ if [ "${VERIFY:-1}" = 1 ]; then
 fi
 wait $builds; cat "$OUT/builds.txt"
 timeout 420 python3 benchmarks/train_bench.py --layout fsdp4 --layout tp4 --steps 12 \
-  --modes eager,compile,titan,titan-fuse,titan-nocg --json "$OUT/bench-fuse.json" > "$OUT/bench-fuse.txt" 2>&1
+  --modes "$MODES" --json "$OUT/bench-fuse.json" > "$OUT/bench-fuse.txt" 2>&1
 echo "== bench exit $? [$(elapsed) s]"
 grep -h "^fusion:" "$OUT"/bench-fuse.txt | head -4
 grep -v "^\[rank\|^W1\|^I1" "$OUT/bench-fuse.txt" | tail -16

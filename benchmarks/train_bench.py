@@ -48,6 +48,7 @@ TITAN_VARIANTS = {
     "titan-overlap": (["--passes", "mask_index_put_to_where,overlap_collectives"], [], False),
     "titan-nocg": ([], ["--no-cuda-graphs"], False),
     "titan-fuse": (["--fuse"], [], False),
+    "titan-fuse-blocks": (["--fuse", "blocks"], [], False),
 }
 
 

@@ -73,7 +73,7 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int,
               batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
-              fuse: bool = False) -> BuildSpec:
+              fuse: str | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; available: {', '.join(MODELS)}")
@@ -100,8 +100,10 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         raise ValueError(f"unknown --ac {ac!r}; use one of {', '.join(AC_POLICIES)}")
     sizes = dict(layout.mesh_shape())
     passes = default_passes(sizes) if passes is None else tuple(passes)
-    if fuse and "fuse_regions" not in passes:
-        passes += ("fuse_regions",)
+    if fuse is not None:
+        if fuse not in ("regions", "blocks"):
+            raise ValueError(f"--fuse {fuse!r}: use regions or blocks")
+        passes += (f"fuse_{fuse}",)
     check_passes(passes, sizes)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac)

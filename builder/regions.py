@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from titan.builder.collectives import STARTS, WAIT, module_path
+from titan.builder.collectives import STARTS, WAIT, block_of, module_path
 from titan.builder.passes import PassContext
 
 aten = torch.ops.aten
@@ -137,12 +137,28 @@ def _order_regions_contiguously(graph: fx.Graph, region_of: dict[fx.Node, int]) 
 
 
 def fuse_regions_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
-    graph = gm.graph
+    """One region per RMSNorm, RoPE, SwiGLU and loss module instance."""
     key: dict[fx.Node, str] = {}
-    for n in graph.nodes:
+    for n in gm.graph.nodes:
         kind = region_kind(module_path(n)) if _fusable(n, key) else None
         if kind is not None:
             key[n] = f"{kind}@{module_path(n)}"
+    return _tag_regions(gm, key)
+
+
+def fuse_blocks_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
+    """Regions across module boundaries within a transformer block (all element-wise and
+    reduction work between its matmuls, attention and collectives: residual adds join the
+    norms after them), as per-block torch.compile fuses."""
+    key: dict[fx.Node, str] = {}
+    for n in gm.graph.nodes:
+        if _fusable(n, key):
+            key[n] = f"block@{block_of(module_path(n))}"
+    return _tag_regions(gm, key)
+
+
+def _tag_regions(gm: fx.GraphModule, key: dict[fx.Node, str]) -> fx.GraphModule:
+    graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
     regions: list[list[fx.Node]] = []
     for group in _components([n for n in graph.nodes if n in key], key):

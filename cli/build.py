@@ -27,9 +27,10 @@ from titan.cli.errors import user_errors
 @click.option("--ac", default="none", show_default=True, type=click.Choice(["none", "full", "selective"]),
               help="Activation checkpointing: recompute block activations in the backward (full), or all but "
                    "matmul/attention outputs (selective).")
-@click.option("--fuse", is_flag=True,
-              help="Also run the fuse_regions pass: RMSNorm, RoPE, SwiGLU and the loss become kernels that titan-run "
-                   "generates on its GPU (faster; numerics differ from eager in the last bits).")
+@click.option("--fuse", type=click.Choice(["regions", "blocks"]), default=None, is_flag=False, flag_value="regions",
+              help="Fused kernels that titan-run generates on its GPU (faster; numerics differ from eager in the last "
+                   "bits): 'regions' (the default for a bare --fuse): RMSNorm, RoPE, SwiGLU and the loss; 'blocks': "
+                   "all element-wise work between matmuls, across modules.")
 @click.option("--list-passes", is_flag=True, help="Describe the available passes and exit.")
 @click.option("--partitioner", default="min_cut", show_default=True, help="Forward/backward partitioner: min_cut or default.")
 @click.option("--out", default=None, type=click.Path(path_type=Path), help="Output directory (default: artifacts/<name>).")

@@ -35,10 +35,6 @@ def kernel_store_root() -> Path:
     return Path(os.environ.get("TITAN_CACHE_DIR") or "~/.cache/titan").expanduser() / "kernels"
 
 
-def has_regions(gm: fx.GraphModule) -> bool:
-    return any(n.meta.get("titan_region") for n in gm.graph.nodes)
-
-
 @dataclass
 class FusionStats:
     regions: int = 0

@@ -77,6 +77,10 @@ def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
                      dp_degree=layout["dp_replicate"] * layout["dp_shard"], **common)
 
 
+def _has_regions(gm) -> bool:
+    return any(n.meta.get("titan_region") for n in gm.graph.nodes)
+
+
 def _compile_fusion_regions(forward, backward, device: torch.device):
     """--fuse artifacts: regions become generated kernels (the only path that imports inductor)."""
     from titan.runtime.fusion import FusionStats, KernelStore, compile_regions, kernel_store_root
@@ -100,7 +104,7 @@ class GraphProgram:
                    layout=artifact.manifest["layout"],
                    graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})
         self.fusion = None
-        if "fuse_regions" in artifact.manifest["passes"]:
+        if _has_regions(self.forward) or _has_regions(self.backward):
             self.fusion = _compile_fusion_regions(self.forward, self.backward, device)
         self.inputs = meta["forward_inputs"]
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
