@@ -27,10 +27,10 @@ from titan.cli.errors import user_errors
 @click.option("--ac", default="none", show_default=True, type=click.Choice(["none", "full", "selective"]),
               help="Activation checkpointing: recompute block activations in the backward (full), or all but "
                    "matmul/attention outputs (selective).")
-@click.option("--fuse", type=click.Choice(["regions", "blocks"]), default=None, is_flag=False, flag_value="regions",
+@click.option("--fuse", type=click.Choice(["regions", "blocks"]), default=None, is_flag=False, flag_value="blocks",
               help="Fused kernels that titan-run generates on its GPU (faster; numerics differ from eager in the last "
-                   "bits): 'regions' (the default for a bare --fuse): RMSNorm, RoPE, SwiGLU and the loss; 'blocks': "
-                   "all element-wise work between matmuls, across modules.")
+                   "bits): 'blocks' (a bare --fuse): all element-wise and reduction work between matmuls, attention "
+                   "and collectives; 'regions': only within RMSNorm, RoPE, SwiGLU and the loss.")
 @click.option("--list-passes", is_flag=True, help="Describe the available passes and exit.")
 @click.option("--partitioner", default="min_cut", show_default=True, help="Forward/backward partitioner: min_cut or default.")
 @click.option("--out", default=None, type=click.Path(path_type=Path), help="Output directory (default: artifacts/<name>).")

@@ -15,9 +15,9 @@ def _fusion_line(stdout: str) -> str:
 def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_artifact, tmp_path):
     art = debug_artifact(dp_shard=2, extra=("--fuse",))
     manifest = json.loads((art / "manifest.json").read_text())
-    assert manifest["passes"][-1] == "fuse_regions"
+    assert manifest["passes"][-1] == "fuse_blocks"  # what a bare --fuse selects
     listing = titan("build", "--list-passes").stdout
-    assert "fuse_regions [CHANGES NUMERICS (opt-in)]" in listing
+    assert "fuse_blocks [CHANGES NUMERICS (opt-in)]" in listing and "fuse_regions [CHANGES NUMERICS (opt-in)]" in listing
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
     first = titan("run", art, "--steps", 3, "--metrics", tmp_path / "a.jsonl", env=env)
     assert first.returncode == 0, first.stderr
@@ -44,4 +44,23 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
     for e, g in zip(losses["eager"], losses["artifact"]):
         assert abs(float.fromhex(e) - float.fromhex(g)) <= 1e-5 * abs(float.fromhex(e))
     if v.returncode == 1:
-        assert "built with passes that change numerics (fuse_regions)" in v.stdout
+        assert "built with passes that change numerics (fuse_blocks)" in v.stdout
+
+
+def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact):
+    from titan.runtime.artifact import open_artifact
+    from titan.runtime.graph_doc import read_doc
+
+    def regions(art):
+        a = open_artifact(art, check_torch=False)
+        doc = read_doc(a.read_verified(a.rank_entry(0)["forward"]))
+        tags = [n.get("region") for n in doc["nodes"]]
+        # Each region's nodes are consecutive, so the runtime can cut it out as one call.
+        runs = [t for i, t in enumerate(tags) if t and (i == 0 or tags[i - 1] != t)]
+        assert len(runs) == len(set(runs))
+        return {t.split("#")[0] for t in runs}, sum(t is not None for t in tags)
+
+    kinds, covered = regions(debug_artifact(tp=2, extra=("--fuse", "regions")))
+    assert kinds == {"rms_norm", "rope", "swiglu", "loss"}
+    block_kinds, block_covered = regions(debug_artifact(tp=2, extra=("--fuse", "blocks")))
+    assert block_kinds == {"block"} and block_covered > covered
