@@ -98,18 +98,19 @@ PASSES: dict[str, GraphPass] = {
         "titan.builder.bucketing:bucket_reduce_scatter_pass", True,
         "one FSDP gradient reduce-scatter per transformer block on a flat buffer (each element "
         "summed over the same ranks)", needs=("dp_shard",)),
-    "fuse_regions": GraphPass(
-        "titan.builder.regions:fuse_regions_pass", False,
-        "titan-build --fuse: mark RMSNorm, RoPE, SwiGLU and the loss for fused kernels that titan-run "
-        "generates on its GPU (last-bit differences from eager)"),
-    "fuse_blocks": GraphPass(
-        "titan.builder.regions:fuse_blocks_pass", False,
-        "like fuse_regions, but a region spans all element-wise and reduction work between a block's "
-        "matmuls, attention and collectives (residual adds join the norms after them)"),
     "overlap_collectives": GraphPass(
         "titan.builder.overlap:overlap_collectives_pass", True,
         "reorder only: issue collectives early (FSDP all-gathers one block ahead), wait late "
         "(reduce-scatters behind the next block's backward)"),
+    "fuse_regions": GraphPass(
+        "titan.builder.regions:fuse_regions_pass", False,
+        "titan-build --fuse regions: RMSNorm, RoPE, SwiGLU and the loss become kernels that titan-run "
+        "generates on its device (last-bit differences from eager)"),
+    "fuse_blocks": GraphPass(
+        "titan.builder.regions:fuse_blocks_pass", False,
+        "titan-build --fuse (blocks): like fuse_regions, but a region spans all element-wise and "
+        "reduction work between a block's matmuls, attention and collectives (residual adds join the "
+        "norms after them)"),
 }
 
 

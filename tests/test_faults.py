@@ -91,12 +91,18 @@ def test_titan_run_fails_when_one_of_its_ranks_is_killed(debug_artifact, tmp_pat
                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
 
 
+def _default_sigint() -> None:
+    """Ctrl-C as in a terminal, whatever this test runner inherited: a job started in the
+    background by a non-interactive shell ignores SIGINT, and its children would too."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_build_exits_cleanly_and_the_cache_stays_consistent(tmp_path):
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     out, err = tmp_path / "out", tmp_path / "err"
     p = subprocess.Popen([sys.executable, "-m", "titan.cli.build", *SINGLE, "--tp", "2", "--jobs", "1",
                           "--out", str(tmp_path / "art")], env=env, stdout=open(out, "w"), stderr=open(err, "w"),
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=_default_sigint)
     _wait_for(out, "cache: miss", 60)
     time.sleep(1.0)
     os.killpg(p.pid, signal.SIGINT)
@@ -113,7 +119,7 @@ def test_ctrl_c_during_run_stops_every_rank(debug_artifact, tmp_path):
     out, err = tmp_path / "out", tmp_path / "err"
     p = subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(debug_artifact(tp=2)), "--steps", "100000"],
                          stdout=open(out, "w"), stderr=open(err, "w"), start_new_session=True,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         preexec_fn=_default_sigint, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     _wait_for(out, "step    2/", 120)
     ranks = _children(p.pid)
     os.killpg(p.pid, signal.SIGINT)
