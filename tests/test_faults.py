@@ -4,6 +4,7 @@ and the cache survives many concurrent builders with gc running alongside."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -120,14 +121,18 @@ def test_ctrl_c_during_run_stops_every_rank(debug_artifact, tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(debug_artifact(tp=2)), "--steps", "100000"],
                          stdout=open(out, "w"), stderr=open(err, "w"), start_new_session=True,
                          preexec_fn=_default_sigint, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    _wait_for(out, "step    2/", 120)
-    ranks = _children(p.pid)
-    os.killpg(p.pid, signal.SIGINT)
-    assert p.wait(timeout=60) == 130
-    assert "Traceback" not in err.read_text()
-    time.sleep(0.5)
-    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()
-                and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    try:
+        _wait_for(out, "step    2/", 120)
+        ranks = _children(p.pid)
+        os.killpg(p.pid, signal.SIGINT)
+        assert p.wait(timeout=60) == 130
+        assert "Traceback" not in err.read_text()
+        time.sleep(0.5)
+        assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()
+                    and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # never leave a 100,000-step run behind a failed test
 
 
 def _limit_file_size():
