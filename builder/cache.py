@@ -27,13 +27,10 @@ from typing import Callable
 
 import filelock
 
-DEFAULT_ROOT = Path("~/.cache/titan")
+from titan.runtime.artifact import cache_root
+
 # gc leaves unreferenced files younger than this alone: a running build may be about to commit them.
 UNREFERENCED_GRACE_S = 600.0
-
-
-def default_root() -> Path:
-    return Path(os.environ.get("TITAN_CACHE_DIR") or DEFAULT_ROOT).expanduser()
 
 
 class CacheError(ValueError):
@@ -50,7 +47,7 @@ class EntryInfo:
 
 class Cache:
     def __init__(self, root: Path | None = None):
-        self.root = Path(root).expanduser() if root else default_root()
+        self.root = Path(root).expanduser() if root else cache_root()
         for sub in ("blobs", "ranks", "entries", "used", "locks", "tmp"):
             try:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)

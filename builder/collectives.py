@@ -85,23 +85,37 @@ def hoist_ancestors(node: fx.Node, before: fx.Node) -> None:
         before.prepend(n)
 
 
-def stable_toposort(graph: fx.Graph) -> None:
+def stable_toposort(graph: fx.Graph, *, together: dict[fx.Node, int] | None = None) -> None:
     """Reorder so that every node follows its inputs, otherwise keeping the current order as
-    closely as possible (among ready nodes, the earliest goes first)."""
+    closely as possible (among ready units, the earliest goes first). Nodes that `together`
+    maps to one group form one unit: emitted consecutively, in their current order, once all
+    their outside inputs are (the group must be convex)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    missing = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [pos[n] for n in nodes if missing[n] == 0]
+    together = together or {}
+    unit = {n: ("group", together[n]) if n in together else ("node", pos[n]) for n in nodes}
+    members: dict[tuple, list[fx.Node]] = {}
+    for n in nodes:
+        members.setdefault(unit[n], []).append(n)
+    succs: dict[tuple, set] = {u: set() for u in members}
+    missing = dict.fromkeys(members, 0)
+    for n in nodes:
+        for a in set(n.all_input_nodes):
+            if unit[a] != unit[n] and unit[n] not in succs[unit[a]]:
+                succs[unit[a]].add(unit[n])
+                missing[unit[n]] += 1
+    first = {u: pos[m[0]] for u, m in members.items()}
+    ready = [(first[u], u) for u in members if missing[u] == 0]
     heapq.heapify(ready)
-    order = []
+    order: list[fx.Node] = []
     while ready:
-        n = nodes[heapq.heappop(ready)]
-        order.append(n)
-        for u in n.users:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(ready, pos[u])
-    assert len(order) == len(nodes), "graph has a cycle"
+        _, u = heapq.heappop(ready)
+        order += members[u]
+        for s in succs[u]:
+            missing[s] -= 1
+            if missing[s] == 0:
+                heapq.heappush(ready, (first[s], s))
+    assert len(order) == len(nodes), "graph has a cycle (or a group that is not convex)"
     if order == nodes:
         return
     output = order[-1]

@@ -15,13 +15,12 @@ are consecutive in graph order, which always are.
 
 from __future__ import annotations
 
-import heapq
 import operator
 
 import torch
 import torch.fx as fx
 
-from titan.builder.collectives import STARTS, WAIT, block_of, module_path
+from titan.builder.collectives import STARTS, WAIT, block_of, module_path, stable_toposort
 from titan.builder.passes import PassContext
 
 aten = torch.ops.aten
@@ -100,42 +99,6 @@ def _runs(group: list[fx.Node], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
     return runs
 
 
-def _order_regions_contiguously(graph: fx.Graph, region_of: dict[fx.Node, int]) -> None:
-    """Topological order in which each region's nodes are consecutive (a region is emitted
-    as a whole once all its outside inputs are), otherwise as close to the current order as
-    possible."""
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    unit = {n: ("r", region_of[n]) if n in region_of else ("n", pos[n]) for n in nodes}
-    members: dict[tuple, list[fx.Node]] = {}
-    for n in nodes:
-        members.setdefault(unit[n], []).append(n)
-    preds = {u: set() for u in members}
-    succs = {u: set() for u in members}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if unit[a] != unit[n]:
-                preds[unit[n]].add(unit[a])
-                succs[unit[a]].add(unit[n])
-    missing = {u: len(p) for u, p in preds.items()}
-    first = {u: pos[m[0]] for u, m in members.items()}
-    ready = [(first[u], u) for u in members if missing[u] == 0]
-    heapq.heapify(ready)
-    order: list[fx.Node] = []
-    while ready:
-        _, u = heapq.heappop(ready)
-        order += members[u]
-        for s in succs[u]:
-            missing[s] -= 1
-            if missing[s] == 0:
-                heapq.heappush(ready, (first[s], s))
-    assert len(order) == len(nodes), "regions must be convex"
-    output = order[-1]
-    assert output.op == "output"
-    for n in order[:-1]:
-        output.prepend(n)
-
-
 def fuse_regions_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     """One region per RMSNorm, RoPE, SwiGLU and loss module instance."""
     key: dict[fx.Node, str] = {}
@@ -167,7 +130,7 @@ def _tag_regions(gm: fx.GraphModule, key: dict[fx.Node, str]) -> fx.GraphModule:
     regions = [r for r in regions
                if sum(n.target is not operator.getitem and not n.target.is_view for n in r) >= MIN_REGION_OPS]
     region_of = {n: i for i, r in enumerate(regions) for n in r}
-    _order_regions_contiguously(graph, region_of)
+    stable_toposort(graph, together=region_of)
     for i, r in enumerate(regions):
         for n in r:
             n.meta["titan_region"] = f"{key[n].split('@')[0]}#{i}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -70,7 +71,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     def progress(res):
         t = res.timings
         meta = res.meta
-        state = sum(_numel(p["local_shape"]) for p in meta["params"]) * 16  # fp32 param, grad, 2 AdamW moments
+        state = sum(math.prod(p["local_shape"]) for p in meta["params"]) * 16  # fp32 param, grad, 2 AdamW moments
         shown.rank_done(f"  rank {res.rank}: done: traced in {t['export_s']:.1f} s, partitioned in "
                         f"{t['partition_s']:.1f} s, passes {t['passes_s']:.1f} s; memory: {meta['saved_activations']} "
                         f"saved activations {meta['saved_bytes'] / 2**30:.2f} GiB + params/grads/AdamW "
@@ -100,13 +101,6 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     graphs = sum(1 for rel in manifest["files"] if rel.startswith("graphs/"))
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {graphs} distinct graphs for {world} ranks) "
                f"in {time.perf_counter() - t0:.1f} s")
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Stages (builder/rank_progress.py): queued, tracing, partitioning, writing, done, or cache hit.
 Plain form: `  rank R: STAGE` per change; a traced rank's `done` line is its summary,
-`  rank R: done: traced in ... s, partitioned in ... s (N saved activations)`.
+`  rank R: done: traced in ... s, partitioned in ... s, passes ... s; memory: ...`.
 Terminal form: `ranks [####----] 2/4 | done 0 1 | tracing 2 | queued 3 | 0:12`, redrawn in
 place; the per-rank summaries are printed above it, and it is left on screen at the end.
 """

@@ -18,6 +18,11 @@ class ArtifactError(ValueError):
     """The artifact is missing, corrupt, or does not fit this process; the message says how to fix it."""
 
 
+def cache_root() -> Path:
+    """The shared cache of builds and compiled kernels: $TITAN_CACHE_DIR, else ~/.cache/titan."""
+    return Path(os.environ.get("TITAN_CACHE_DIR") or "~/.cache/titan").expanduser()
+
+
 def installed_torch_version() -> str:
     """torch's version without importing torch (3 s here): the cache-hit path needs only this."""
     return importlib.metadata.version("torch")

@@ -28,11 +28,29 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from titan.runtime.artifact import cache_root
+
 
 
 def kernel_store_root() -> Path:
     """Beside the build cache: $TITAN_CACHE_DIR/kernels (default ~/.cache/titan/kernels)."""
-    return Path(os.environ.get("TITAN_CACHE_DIR") or "~/.cache/titan").expanduser() / "kernels"
+    return cache_root() / "kernels"
+
+
+def has_regions(gm: fx.GraphModule) -> bool:
+    return any(n.meta.get("titan_region") for n in gm.graph.nodes)
+
+
+def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule,
+                            device: torch.device) -> FusionStats | None:
+    """Compile the regions of both graphs in place (identical regions once); None when the
+    artifact has none (then nothing of inductor is imported)."""
+    if not (has_regions(forward) or has_regions(backward)):
+        return None
+    stats, memo, store = FusionStats(), {}, KernelStore(kernel_store_root())
+    for gm in (forward, backward):
+        compile_regions(gm, device=device, store=store, stats=stats, memo=memo)
+    return stats
 
 
 @dataclass
@@ -102,9 +120,13 @@ def _extract(run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx
     return fx.GraphModule(torch.nn.Module(), graph), inputs, outputs
 
 
-def _example(node: fx.Node, device: torch.device) -> torch.Tensor:
+def _input_layout(node: fx.Node) -> dict:
     val = node.meta.get("titan_val")
     assert isinstance(val, dict) and "shape" in val, f"region input {node} is not a tensor"
+    return val
+
+
+def _example(val: dict, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(val["shape"], val["stride"], dtype=getattr(torch, val["dtype"]), device=device)
 
 
@@ -156,9 +178,8 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelSt
     for run in _runs(gm):
         tag = run[0].meta["titan_region"]
         sub, inputs, outputs = _extract(run)
-        examples = [_example(a, device) for a in inputs]
-        spec = [[list(e.shape), list(e.stride()), str(e.dtype)] for e in examples]
-        key = hashlib.sha256(json.dumps([sub.code, spec, context]).encode()).hexdigest()[:32]
+        layouts = [_input_layout(a) for a in inputs]
+        key = hashlib.sha256(json.dumps([sub.code, layouts, context], sort_keys=True).encode()).hexdigest()[:32]
         compiled = memo.get(key)
         if compiled is not None:
             stats.reused += 1
@@ -167,6 +188,7 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelSt
             if compiled is not None:
                 stats.loaded += 1
             else:
+                examples = [_example(v, device) for v in layouts]
                 compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
                 stats.compiled += 1
                 try:

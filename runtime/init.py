@@ -33,24 +33,23 @@ def full_param(spec: dict, shape: list[int], *, fqn: str, seed: int, device: tor
     raise ValueError(f"unknown init kind {kind!r} for {fqn}")
 
 
-def shard_of(full: torch.Tensor, slices: list[list[int]]) -> torch.Tensor:
-    """Apply (dim, parts, index) cuts in order; a sliced shard is copied so that the full
-    tensor can be freed."""
-    t = full
-    for dim, parts, index in slices:
-        size = t.shape[dim] // parts
-        t = t.narrow(dim, index * size, size)
-    return t.clone(memory_format=torch.contiguous_format) if slices else t
-
-
 def shard_box(slices: list[list[int]], global_shape: list[int]) -> tuple[list[int], list[int]]:
-    """Where the shard that `slices` cut lies in the global tensor: (offsets, sizes) per dim.
-    Every shard is such a box: each cut narrows one dim of the previous box."""
+    """Where the shard that the (dim, parts, index) cuts, applied in order, leave of the global
+    tensor lies in it: (offsets, sizes) per dim. Every shard is such a box: each cut narrows
+    one dim of the previous box."""
     offsets, sizes = [0] * len(global_shape), list(global_shape)
     for dim, parts, index in slices:
         sizes[dim] //= parts
         offsets[dim] += index * sizes[dim]
     return offsets, sizes
+
+
+def shard_of(full: torch.Tensor, slices: list[list[int]]) -> torch.Tensor:
+    """This shard of `full`; a sliced shard is copied so that the full tensor can be freed."""
+    if not slices:
+        return full
+    offsets, sizes = shard_box(slices, list(full.shape))
+    return full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone(memory_format=torch.contiguous_format)
 
 
 def materialize(param: dict, *, seed: int, device: torch.device) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.data import SyntheticTokens, TokenFile
+from titan.runtime.fusion import compile_program_regions
 from titan.runtime.distributed import (RankEnv, build_mesh, dp_sum, group_names, init_process_group, pick_device,
                                        shutdown)
 from titan.runtime.graph_format import load_graph
@@ -77,19 +78,6 @@ def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
                      dp_degree=layout["dp_replicate"] * layout["dp_shard"], **common)
 
 
-def _has_regions(gm) -> bool:
-    return any(n.meta.get("titan_region") for n in gm.graph.nodes)
-
-
-def _compile_fusion_regions(forward, backward, device: torch.device):
-    """--fuse artifacts: regions become generated kernels (the only path that imports inductor)."""
-    from titan.runtime.fusion import FusionStats, KernelStore, compile_regions, kernel_store_root
-    stats, memo, store = FusionStats(), {}, KernelStore(kernel_store_root())
-    for gm in (forward, backward):
-        compile_regions(gm, device=device, store=store, stats=stats, memo=memo)
-    return stats
-
-
 class GraphProgram:
     """This rank's forward and backward graphs and its parameter shards."""
 
@@ -103,9 +91,8 @@ class GraphProgram:
         check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
                    layout=artifact.manifest["layout"],
                    graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})
-        self.fusion = None
-        if _has_regions(self.forward) or _has_regions(self.backward):
-            self.fusion = _compile_fusion_regions(self.forward, self.backward, device)
+        # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
+        self.fusion = compile_program_regions(self.forward, self.backward, device)
         self.inputs = meta["forward_inputs"]
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
         self.params = [load_param(p) for p in meta["params"]]
