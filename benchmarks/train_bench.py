@@ -12,10 +12,11 @@ eager:   DTensor TP (with sequence parallel; DTensor parameters, bf16 autocast) 
 compile: the same, each transformer block torch.compile'd; 'compile' starts from an empty
          inductor cache, 'compile-warm' reuses it.
 titan:   titan-build (outside the timed run; a cache hit when built before), then titan-run
-         with the default passes and CUDA graphs. Ablation rows (TITAN_VARIANTS): titan-nopass
-         (no bucketing, no overlap), titan-bucket (FSDP bucketing without reordering),
-         titan-overlap (reordering without bucketing), titan-nocg (default passes, no CUDA graphs);
-         titan-fuse adds the numerics-changing fusion regions (titan-build --fuse).
+         with the default passes (bit-exact with eager) and CUDA graphs. Ablation rows
+         (TITAN_VARIANTS): titan-nopass (no bucketing, no overlap, no exact fusion),
+         titan-bucket (FSDP bucketing alone), titan-overlap (reordering alone), titan-noexact
+         (the default passes but fuse_exact), titan-nocg (default passes, no CUDA graphs);
+         titan-fuse / titan-fuse-regions use the numerics-changing fusion (titan-build --fuse).
 
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
 bf16 matmul rate measured here, time from process start to the end of the first step,
@@ -40,15 +41,25 @@ LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsd
            "dp2tp2": dict(dp_shard=2, tp=2), "tp2dp2": dict(dp_shard=2, tp=2)}
 
 
-# mode -> (extra titan-build flags, extra titan-run flags, needs FSDP)
+def _defaults_but(*dropped: str):
+    """titan-build flags for the layout's default passes without `dropped`."""
+    def flags(layout: dict) -> list[str]:
+        from titan.builder.passes import default_passes
+        return ["--passes", ",".join(p for p in default_passes(layout) if p not in dropped)]
+    return flags
+
+
+# mode -> (extra titan-build flags, or a function of the layout's mesh sizes giving them;
+#          extra titan-run flags; needs FSDP)
 TITAN_VARIANTS = {
     "titan": ([], [], False),
+    "titan-noexact": (_defaults_but("fuse_exact"), [], False),
     "titan-nopass": (["--passes", "mask_index_put_to_where"], [], False),
     "titan-bucket": (["--passes", "mask_index_put_to_where,bucket_all_gather,bucket_reduce_scatter"], [], True),
     "titan-overlap": (["--passes", "mask_index_put_to_where,overlap_collectives"], [], False),
     "titan-nocg": ([], ["--no-cuda-graphs"], False),
     "titan-fuse": (["--fuse"], [], False),
-    "titan-fuse-blocks": (["--fuse", "blocks"], [], False),
+    "titan-fuse-regions": (["--fuse", "regions"], [], False),
 }
 
 
@@ -209,7 +220,7 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
         art = tmp / f"{mode}-{layout}"
         build = [sys.executable, "-m", "titan.cli.build", "--flavor", opts.flavor, "--seq-len", str(opts.seq_len),
                  "--batch-size", str(opts.batch_size), "--dtype", "bf16", "--out", str(art)]
-        build += build_flags
+        build += build_flags(LAYOUTS[layout]) if callable(build_flags) else build_flags
         for k, v in LAYOUTS[layout].items():
             build += [f"--{k.replace('_', '-')}", str(v)]
         if opts.flavor == "debug":

@@ -103,7 +103,8 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     if fuse is not None:
         if fuse not in ("regions", "blocks"):
             raise ValueError(f"--fuse {fuse!r}: use regions or blocks")
-        passes += (f"fuse_{fuse}",)
+        # --fuse's regions take in the exact ones.
+        passes = tuple(p for p in passes if p != "fuse_exact") + (f"fuse_{fuse}",)
     check_passes(passes, sizes)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac)

@@ -102,6 +102,11 @@ PASSES: dict[str, GraphPass] = {
         "titan.builder.overlap:overlap_collectives_pass", True,
         "reorder only: issue collectives early (FSDP all-gathers one block ahead), wait late "
         "(reduce-scatters behind the next block's backward)"),
+    "fuse_exact": GraphPass(
+        "titan.builder.regions:fuse_exact_pass", True,
+        "inductor-lite codegen: chains of element-wise ops measured bit-exact become kernels that "
+        "titan-run generates on its GPU; reductions and all else stay on eager kernels (CPU runs "
+        "keep eager kernels throughout)"),
     "fuse_regions": GraphPass(
         "titan.builder.regions:fuse_regions_pass", False,
         "titan-build --fuse regions: RMSNorm, RoPE, SwiGLU and the loss become kernels that titan-run "
@@ -123,7 +128,10 @@ def default_passes(mesh_sizes: dict[str, int]) -> tuple[str, ...]:
     fsdp = mesh_sizes.get("dp_shard", 1) > 1
     return ("mask_index_put_to_where",
             *(("bucket_all_gather", "bucket_reduce_scatter") if fsdp else ()),
-            "overlap_collectives")
+            "overlap_collectives", "fuse_exact")
+
+
+FUSION_PASSES = ("fuse_exact", "fuse_regions", "fuse_blocks")
 
 
 def check_passes(names: tuple[str, ...], mesh_sizes: dict[str, int]) -> None:
@@ -137,3 +145,8 @@ def check_passes(names: tuple[str, ...], mesh_sizes: dict[str, int]) -> None:
                                  "drop it from --passes")
     if len(set(names)) != len(names):
         raise ValueError(f"--passes lists a pass twice: {', '.join(names)}")
+    fusions = [n for n in names if n in FUSION_PASSES]
+    if len(fusions) > 1:
+        raise ValueError(f"--passes lists {' and '.join(fusions)}: each tags all fusion regions; keep one")
+    if fusions and names[-1] != fusions[0]:
+        raise ValueError(f"--passes: {fusions[0]} must come last (it groups the graph's final order into kernels)")

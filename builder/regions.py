@@ -1,4 +1,10 @@
-"""Fusion regions (titan-build --fuse): RMSNorm, RoPE, SwiGLU and the loss.
+"""Fusion regions: exact element-wise regions (the default), and titan-build --fuse's RMSNorm,
+RoPE, SwiGLU and loss regions or whole-block regions.
+
+fuse_exact (default, numerics-preserving) groups only element-wise ops that inductor, under
+runtime/fusion.py's exact settings, computes bit for bit as eager's kernels do (measured per op
+on the GPU host by benchmarks/exact_ops.py; ops that measured different, and every reduction,
+stay on eager kernels). The regions are tagged "exact#<n>".
 
 The pass groups the element-wise and reduction work of each such module instance into
 regions, orders the graph so that each region's nodes are consecutive, and tags them
@@ -27,6 +33,35 @@ aten = torch.ops.aten
 # Left to their own libraries: matmuls (cuBLAS), attention (flash), collectives (NCCL).
 _NOT_FUSED = {aten.mm.default, aten.bmm.default, aten.addmm.default, WAIT, *STARTS}
 MIN_REGION_OPS = 2
+
+
+# Element-wise ops whose fused kernels measured torch.equal to eager (benchmarks/exact_ops.py,
+# H200, torch 2.11). Not here: reductions (their order differs), reciprocal, sigmoid and
+# silu_backward (measured different), and everything not measured.
+EXACT_OPS = {
+    aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.sub.Tensor, aten.neg.default,
+    aten.div.Tensor, aten.div.Scalar, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.silu.default,
+    aten._to_copy.default, aten.clone.default, aten.cat.default, aten.stack.default, aten.where.self,
+    aten.select_backward.default, aten.slice_backward.default,
+}
+_EXACT_POWERS = (1, 2, 3)
+
+
+def exact_op(n: fx.Node) -> bool:
+    """Whether fusing `n` keeps eager's bits: a listed op (or a view) with plain arguments."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    if n.target.is_view and n.target.namespace == "aten":
+        return True
+    if n.target not in EXACT_OPS:
+        return False
+    if n.target in (aten.add.Tensor, aten.sub.Tensor) and n.kwargs.get("alpha", 1) != 1:
+        return False  # eager may contract a + alpha * b into one FMA
+    if n.target is aten.pow.Tensor_Scalar and n.args[1] not in _EXACT_POWERS:
+        return False
+    if n.target is aten._to_copy.default and set(n.kwargs) - {"dtype"}:
+        return False  # a device or layout change is not a fusable cast
+    return True
 
 
 def region_kind(module: str) -> str | None:
@@ -117,6 +152,16 @@ def fuse_blocks_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if _fusable(n, key):
             key[n] = f"block@{block_of(module_path(n))}"
+    return _tag_regions(gm, key)
+
+
+def fuse_exact_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
+    """Regions of bit-exact element-wise ops within each transformer block (between its
+    reductions, matmuls, attention and collectives)."""
+    key: dict[fx.Node, str] = {}
+    for n in gm.graph.nodes:
+        if exact_op(n):
+            key[n] = f"exact@{block_of(module_path(n))}"
     return _tag_regions(gm, key)
 
 

@@ -45,6 +45,8 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
                               make_data(m, cfg, layout.coordinates(env.rank)), **kw)
     del eager
     program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed)
+    if program.fusion is not None and env.rank == 0:
+        print(program.fusion.line(), flush=True)
     with step_function(program, cfg, device) as step:
         graph_losses = train_loop(step, make_optimizer(program.params, cfg.lr), make_data(m, cfg, program.coords), **kw)
     return eager_losses, graph_losses, device

@@ -1,9 +1,12 @@
-"""Generated kernels for the fusion regions of a `titan-build --fuse` artifact.
+"""Generated kernels for the fusion regions of an artifact.
 
 A region is a run of consecutive nodes tagged "<kind>#<n>" by the builder. Each is cut out as
 its own small graph, compiled by inductor for this device (torch._inductor is imported only
 here, and only for artifacts with regions), and called in its place. Identical regions (every
-transformer block has the same ones) compile once.
+transformer block has the same ones) compile once. Regions of kind "exact" (the default
+fuse_exact pass) are compiled under the exact settings below, and only on GPUs: elsewhere
+their ops simply run on eager kernels, which is what they reproduce. The other kinds come from
+titan-build --fuse and change numerics in the last bits.
 
 Compiled regions are kept in a kernel store next to the build cache, keyed by the region's
 code and input layouts, the device (GPU name and compute capability), and the torch and triton
@@ -37,15 +40,61 @@ def kernel_store_root() -> Path:
     return cache_root() / "kernels"
 
 
-def has_regions(gm: fx.GraphModule) -> bool:
-    return any(n.meta.get("titan_region") for n in gm.graph.nodes)
+# Inductor settings under which a fused element-wise kernel rounds as eager's kernels do: each
+# low-precision intermediate rounded where eager stores it, no a*b+c contracted into an FMA, IEEE
+# division, CUDA's libdevice, no flush of denormals. Only the settings this torch has are used;
+# which ops are then bit-exact is measured (benchmarks/exact_ops.py), not assumed.
+_EXACT_SETTINGS = {
+    "emulate_precision_casts": True,
+    "use_fast_math": False,
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.use_pytorch_libdevice": True,
+    "eager_numerics.disable_ftz": True,
+}
+
+
+def exact_config() -> dict[str, bool]:
+    """The exact settings that this torch's inductor has."""
+    import torch._inductor.config as ic
+
+    out = {}
+    for key, value in _EXACT_SETTINGS.items():
+        obj = ic
+        for part in key.split("."):
+            obj = getattr(obj, part, _MISSING)
+        if obj is not _MISSING:
+            out[key] = value
+    return out
+
+
+_MISSING = object()
+
+
+EXACT = "exact"
+# Kinds from titan-build --fuse: compiled on every device (the CPU too: C++ kernels).
+FUSE_KINDS = frozenset({"rms_norm", "rope", "swiglu", "loss", "block"})
+
+
+def _kind(tag: str) -> str:
+    return tag.split("#")[0]
+
+
+def compiled_kinds(device: torch.device) -> set[str] | None:
+    """Region kinds compiled on `device`; None for all of them."""
+    return None if device.type == "cuda" else FUSE_KINDS
+
+
+def has_regions(gm: fx.GraphModule, device: torch.device) -> bool:
+    kinds = compiled_kinds(device)
+    return any((tag := n.meta.get("titan_region")) and (kinds is None or _kind(tag) in kinds)
+               for n in gm.graph.nodes)
 
 
 def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule,
                             device: torch.device) -> FusionStats | None:
-    """Compile the regions of both graphs in place (identical regions once); None when the
-    artifact has none (then nothing of inductor is imported)."""
-    if not (has_regions(forward) or has_regions(backward)):
+    """Compile the regions of both graphs in place (identical regions once); None when there
+    are none to compile here (then nothing of inductor is imported)."""
+    if not (has_regions(forward, device) or has_regions(backward, device)):
         return None
     stats, memo, store = FusionStats(), {}, KernelStore(kernel_store_root())
     for gm in (forward, backward):
@@ -173,13 +222,21 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelSt
     """Replace every region of `gm` with a call of its compiled kernels."""
     from torch._inductor import standalone_compile
 
+    import torch._inductor.config as inductor_config
+
     t0 = time.perf_counter()
     context = {"device": _device_tag(device), **_versions()}
+    kinds = compiled_kinds(device)
+    exact = exact_config()
     for run in _runs(gm):
         tag = run[0].meta["titan_region"]
+        kind = _kind(tag)
+        if kinds is not None and kind not in kinds:
+            continue
+        settings = exact if kind == EXACT else {}
         sub, inputs, outputs = _extract(run)
         layouts = [_input_layout(a) for a in inputs]
-        key = hashlib.sha256(json.dumps([sub.code, layouts, context], sort_keys=True).encode()).hexdigest()[:32]
+        key = hashlib.sha256(json.dumps([sub.code, layouts, context, settings], sort_keys=True).encode()).hexdigest()[:32]
         compiled = memo.get(key)
         if compiled is not None:
             stats.reused += 1
@@ -189,7 +246,8 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelSt
                 stats.loaded += 1
             else:
                 examples = [_example(v, device) for v in layouts]
-                compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
+                with inductor_config.patch(settings):
+                    compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
                 stats.compiled += 1
                 try:
                     store.save(key, compiled)
@@ -197,7 +255,6 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelSt
                     stats.unstored += 1  # inductor produced nothing it can serialize; compiled each run
             memo[key] = compiled
         stats.regions += 1
-        kind = tag.split("#")[0]
         stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
         graph = gm.graph
         with graph.inserting_before(run[0]):

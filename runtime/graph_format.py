@@ -30,7 +30,7 @@ import torch.fx as fx
 from titan.runtime.graph_doc import FORMAT, MAX_ELEMENTS, VERSION, GraphFormatError, read_doc  # noqa: F401
 
 # A fusion region tag (titan-build --fuse): "<kind>#<n>"; runtime/fusion.py compiles each region.
-REGION = re.compile(r"(rms_norm|rope|swiglu|loss|block)#\d{1,6}")
+REGION = re.compile(r"(exact|rms_norm|rope|swiglu|loss|block)#\d{1,6}")
 
 ALLOWED_NAMESPACES = ("aten", "prims", "_c10d_functional", "titan")
 # aten ops that touch the file system, or address memory by raw strides / storage (which a

@@ -17,6 +17,7 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
     art = debug_artifact(extra=("--fuse",))
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["passes"][-1] == "fuse_blocks"  # what a bare --fuse selects
+    assert "fuse_exact" not in manifest["passes"]  # its regions are within --fuse's
     listing = titan("build", "--list-passes").stdout
     assert "fuse_blocks [CHANGES NUMERICS (opt-in)]" in listing and "fuse_regions [CHANGES NUMERICS (opt-in)]" in listing
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
@@ -66,3 +67,42 @@ def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact
     assert kinds == {"rms_norm", "rope", "swiglu", "loss"}
     block_kinds, block_covered = regions(debug_artifact(tp=2, extra=("--fuse", "blocks")))
     assert block_kinds == {"block"} and block_covered > covered
+
+
+def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eager_on_cpu(debug_artifact, tmp_path):
+    from titan.builder.regions import EXACT_OPS
+    from titan.runtime.artifact import open_artifact
+    from titan.runtime.graph_doc import read_doc
+    from titan.runtime.graph_format import resolve_target, target_name
+
+    art = debug_artifact(dp_shard=2, extra=("--dtype", "bf16"))  # bf16, as on GPUs: the bucket copy-in casts
+    assert json.loads((art / "manifest.json").read_text())["passes"][-1] == "fuse_exact"
+    allowed = {target_name(op) for op in EXACT_OPS}
+    a = open_artifact(art, check_torch=False)
+    seen = set()
+    for kind in ("forward", "backward"):
+        nodes = read_doc(a.read_verified(a.rank_entry(0)[kind]))["nodes"]
+        tags = [n.get("region") for n in nodes]
+        runs = [t for i, t in enumerate(tags) if t and (i == 0 or tags[i - 1] != t)]
+        assert runs and len(runs) == len(set(runs)) and all(t.startswith("exact#") for t in runs)
+        for n in nodes:
+            if n.get("region"):
+                assert n["target"] in allowed or resolve_target(n["target"]).is_view, n["target"]
+                seen.add(n["target"])
+    # RMSNorm's and SwiGLU's element-wise work is in; their reductions and silu_backward are not.
+    assert {"aten.pow.Tensor_Scalar", "aten.rsqrt.default", "aten.silu.default", "aten.cat.default"} <= seen
+    assert not seen & {"aten.mean.dim", "aten.sum.dim_IntList", "aten.silu_backward.default", "aten.mm.default"}
+    # On the CPU the exact regions stay on eager kernels: nothing is compiled (or imported).
+    env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
+    r = titan("run", art, "--steps", 2, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "fusion:" not in r.stdout and not (tmp_path / "cache" / "kernels").exists()
+
+
+def test_fusion_passes_are_exclusive_and_last(tmp_path):
+    base = ("build", "--flavor", "debug", "--out", tmp_path / "x", "--passes")
+    both = titan(*base, "mask_index_put_to_where,fuse_exact,fuse_blocks")
+    assert both.returncode == 2 and "fuse_exact and fuse_blocks" in both.stderr and "keep one" in both.stderr
+    early = titan(*base, "fuse_exact,mask_index_put_to_where")
+    assert early.returncode == 2 and "fuse_exact must come last" in early.stderr
+    assert not (tmp_path / "x").exists()

@@ -35,6 +35,8 @@ def _verify_json(art, tmp_path, name, *flags) -> dict:
     r = titan("verify", art, "--steps", 10, "--device", "cuda", "--json", out, *flags)
     print(r.stdout, r.stderr)
     assert r.returncode == 0, r.stdout + r.stderr
+    # The default passes' exact regions run as kernels generated on this GPU.
+    assert any(line.startswith("fusion: ") and " exact)" in line for line in r.stdout.splitlines()), r.stdout
     return json.loads(out.read_text())
 
 

@@ -10,7 +10,7 @@ from conftest import titan
 def test_vocab_parallel_embedding_mask_uses_where_not_index_put(debug_artifact):
     art = debug_artifact(tp=2)
     manifest = json.loads((art / "manifest.json").read_text())
-    assert manifest["passes"] == ["partition:min_cut", "mask_index_put_to_where", "overlap_collectives"]
+    assert manifest["passes"] == ["partition:min_cut", "mask_index_put_to_where", "overlap_collectives", "fuse_exact"]
     out = titan("show", art, "--rank", 1).stdout
     # A boolean-mask index_put syncs with the host (nonzero), which CUDA graph capture refuses.
     assert "aten.index_put" not in out
@@ -48,7 +48,7 @@ def test_fsdp_collectives_are_bucketed_per_block_and_recorded_in_the_plan(debug_
     bucketed = debug_artifact(dp_shard=2)
     manifest = json.loads((bucketed / "manifest.json").read_text())
     assert manifest["passes"] == ["partition:min_cut", "mask_index_put_to_where", "bucket_all_gather",
-                                  "bucket_reduce_scatter", "overlap_collectives"]
+                                  "bucket_reduce_scatter", "overlap_collectives", "fuse_exact"]
     # 21 parameters: one all-gather each in forward and one reduce-scatter each in backward,
     # merged into one per block (tok_embeddings, layers.0, layers.1, norm, output).
     assert (_collective_counts(unbucketed, "fw"), _collective_counts(unbucketed, "bw")) == (21, 21)
