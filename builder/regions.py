@@ -14,9 +14,8 @@ titan-run compiles each region into generated kernels on the device it trains on
 keep intermediates in registers and reduce in their own order, so results differ from eager
 in the last bits: the pass is opt-in and labeled as changing numerics.
 
-A region is a connected set of same-module nodes that is convex (no path leaves it and comes
-back), so that it can run as one call; a set that is not convex is cut into runs of nodes that
-are consecutive in graph order, which always are.
+A region is a convex set of same-key nodes (no path leaves it and comes back), so that it can run
+as one call: groups grow greedily in graph order (_convex_groups).
 """
 
 from __future__ import annotations
@@ -86,52 +85,125 @@ def _fusable(n: fx.Node, tagged: dict[fx.Node, str]) -> bool:
     return isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten" and n.target not in _NOT_FUSED
 
 
-def _components(nodes: list[fx.Node], key: dict[fx.Node, str]) -> list[list[fx.Node]]:
-    """Connected components of same-key nodes (data edges), each in graph order."""
-    parent = {n: n for n in nodes}
+class _Groups:
+    """Convex groups of same-key nodes, grown greedily in graph order.
 
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
+    A node joins the groups of its same-key inputs (merging them, when none depends on another)
+    if none of its other inputs depends on those groups: then no path leaves a group and comes
+    back, so each group can run as one call. Dependencies are bitsets of group ids."""
 
-    for n in nodes:
+    def __init__(self) -> None:
+        self.parent: list[int] = []
+        self.mask: list[int] = []       # bits of the ids merged into each root
+        self.deps: list[int] = []       # groups the members depend on, through any path
+        self.members: list[list[fx.Node]] = []
+
+    def find(self, g: int) -> int:
+        while self.parent[g] != g:
+            self.parent[g] = self.parent[self.parent[g]]
+            g = self.parent[g]
+        return g
+
+    def new(self, n: fx.Node, deps: int) -> int:
+        g = len(self.parent)
+        self.parent.append(g)
+        self.mask.append(1 << g)
+        self.deps.append(deps)
+        self.members.append([n])
+        return g
+
+    def independent(self, a: int, b: int) -> bool:
+        return not (self.deps[a] & self.mask[b]) and not (self.deps[b] & self.mask[a])
+
+    def merge(self, roots: list[int], n: fx.Node, deps: int) -> int:
+        g = roots[0]
+        for r in roots[1:]:
+            self.parent[r] = g
+            self.mask[g] |= self.mask[r]
+            self.deps[g] |= self.deps[r]
+            self.members[g] += self.members[r]
+        self.deps[g] |= deps
+        self.members[g].append(n)
+        return g
+
+
+def _convex_groups(graph: fx.Graph, key: dict[fx.Node, str]) -> list[list[fx.Node]]:
+    groups = _Groups()
+    group_of: dict[fx.Node, int] = {}   # raw id; groups.find() gives the group
+    reach: dict[fx.Node, int] = {}      # groups a node's value depends on (its own included)
+    for n in graph.nodes:
+        inputs = list(dict.fromkeys(n.all_input_nodes))
+        deps = 0
+        for a in inputs:
+            deps |= reach[a]
+        chosen = None
+        if n in key:
+            candidates = list(dict.fromkeys(groups.find(group_of[a]) for a in inputs
+                                            if a in group_of and key[a] == key[n]))
+            merged: list[int] = []
+            for c in candidates:
+                if all(groups.independent(c, m) for m in merged):
+                    merged.append(c)
+            for option in ([merged] if len(merged) > 1 else []) + [[c] for c in candidates]:
+                mask = 0
+                for c in option:
+                    mask |= groups.mask[c]
+                outside = [a for a in inputs if a not in group_of or groups.find(group_of[a]) not in option]
+                if all(not (reach[a] & mask) for a in outside):
+                    chosen = groups.merge(option, n, deps)
+                    break
+            if chosen is None:
+                chosen = groups.new(n, deps)
+            group_of[n] = chosen
+            deps |= 1 << chosen
+        reach[n] = deps
+    return [groups.members[r] for r in {groups.find(g) for g in group_of.values()}]
+
+
+def _cyclic_groups(graph: fx.Graph, regions: list[list[fx.Node]]) -> list[int]:
+    """Groups on cycles of units (each group run as one unit: two convex groups can each need the
+    other's outputs); empty when the units can be ordered."""
+    unit = {n: i for i, r in enumerate(regions) for n in r}
+    succs: dict = {unit.get(n, n): set() for n in graph.nodes}
+    preds: dict = {u: set() for u in succs}
+    for n in graph.nodes:
         for a in n.all_input_nodes:
-            if a in key and key[a] == key[n]:
-                parent[find(a)] = find(n)
-    groups: dict[fx.Node, list[fx.Node]] = {}
-    for n in nodes:
-        groups.setdefault(find(n), []).append(n)
-    return list(groups.values())
+            ua, un = unit.get(a, a), unit.get(n, n)
+            if ua != un:
+                succs[ua].add(un)
+                preds[un].add(ua)
+    # Peel units with no predecessor, then units with no successor, among those left: what
+    # remains lies on cycles or between them.
+    left = set(succs)
+    for edges in (preds, succs):
+        count = {u: len(edges[u]) for u in left}
+        todo = [u for u in left if count[u] == 0]
+        other = succs if edges is preds else preds
+        while todo:
+            u = todo.pop()
+            left.discard(u)
+            for v in other[u]:
+                if v in left:
+                    count[v] -= 1
+                    if count[v] == 0:
+                        todo.append(v)
+    return [u for u in left if isinstance(u, int)]
 
 
-def _convex(group: list[fx.Node], pos: dict[fx.Node, int]) -> bool:
-    members = set(group)
-    last = max(pos[n] for n in group)
-    stack = [u for n in group for u in n.users if u not in members and pos[u] < last]
-    seen = set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if u in members:
-                return False
-            if pos[u] < last:
-                stack.append(u)
-    return True
-
-
-def _runs(group: list[fx.Node], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
-    runs: list[list[fx.Node]] = []
-    for n in group:
-        if runs and pos[n] == pos[runs[-1][-1]] + 1:
-            runs[-1].append(n)
-        else:
-            runs.append([n])
-    return runs
+def _without_cycles(graph: fx.Graph, regions: list[list[fx.Node]], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """Split groups on cycles into runs of graph-consecutive nodes, widest first, until the
+    units can be ordered. (Runs of consecutive nodes never form a cycle.)"""
+    while cyclic := _cyclic_groups(graph, regions):
+        widest = max(cyclic, key=lambda i: pos[regions[i][-1]] - pos[regions[i][0]])
+        assert pos[regions[widest][-1]] - pos[regions[widest][0]] >= len(regions[widest]), "consecutive run on a cycle"
+        runs: list[list[fx.Node]] = []
+        for n in regions.pop(widest):
+            if runs and pos[n] == pos[runs[-1][-1]] + 1:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+        regions += runs
+    return regions
 
 
 def fuse_regions_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
@@ -156,21 +228,17 @@ def fuse_blocks_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
 
 
 def fuse_exact_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
-    """Regions of bit-exact element-wise ops within each transformer block (between its
-    reductions, matmuls, attention and collectives)."""
-    key: dict[fx.Node, str] = {}
-    for n in gm.graph.nodes:
-        if exact_op(n):
-            key[n] = f"exact@{block_of(module_path(n))}"
-    return _tag_regions(gm, key)
+    """Regions of bit-exact element-wise ops (between reductions, matmuls, attention and
+    collectives)."""
+    # One key for all: backward nodes often carry no module, and exactness does not depend on it.
+    return _tag_regions(gm, {n: "exact@" for n in gm.graph.nodes if exact_op(n)})
 
 
 def _tag_regions(gm: fx.GraphModule, key: dict[fx.Node, str]) -> fx.GraphModule:
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    regions: list[list[fx.Node]] = []
-    for group in _components([n for n in graph.nodes if n in key], key):
-        regions += [group] if _convex(group, pos) else _runs(group, pos)
+    regions = _without_cycles(graph, [sorted(group, key=pos.__getitem__) for group in _convex_groups(graph, key)], pos)
+    regions.sort(key=lambda r: pos[r[0]])
     # A region needs some computation: views alone compile to nothing.
     regions = [r for r in regions
                if sum(n.target is not operator.getitem and not n.target.is_view for n in r) >= MIN_REGION_OPS]
