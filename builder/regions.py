@@ -50,6 +50,9 @@ def exact_op(n: fx.Node) -> bool:
     """Whether fusing `n` keeps eager's bits: a listed op (or a view) with plain arguments."""
     if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return False
+    returns = n.target._schema.returns
+    if len(returns) != 1 or str(returns[0].type) != "Tensor":
+        return False  # split and the like give lists: a region's results must be tensors
     if n.target.is_view and n.target.namespace == "aten":
         return True
     if n.target not in EXACT_OPS:

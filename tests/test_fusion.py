@@ -75,24 +75,28 @@ def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eage
     from titan.runtime.graph_doc import read_doc
     from titan.runtime.graph_format import resolve_target, target_name
 
-    art = debug_artifact(dp_shard=2, extra=("--dtype", "bf16"))  # bf16, as on GPUs: the bucket copy-in casts
-    assert json.loads((art / "manifest.json").read_text())["passes"][-1] == "fuse_exact"
     allowed = {target_name(op) for op in EXACT_OPS}
-    a = open_artifact(art, check_torch=False)
     seen = set()
-    for kind in ("forward", "backward"):
-        nodes = read_doc(a.read_verified(a.rank_entry(0)[kind]))["nodes"]
-        tags = [n.get("region") for n in nodes]
-        runs = [t for i, t in enumerate(tags) if t and (i == 0 or tags[i - 1] != t)]
-        assert runs and len(runs) == len(set(runs)) and all(t.startswith("exact#") for t in runs)
-        for n in nodes:
-            if n.get("region"):
-                assert n["target"] in allowed or resolve_target(n["target"]).is_view, n["target"]
-                seen.add(n["target"])
+    # bf16, as on GPUs (the bucket copy-in casts); FSDP and tensor parallel (its sequence-parallel
+    # gathers split lists, which stay outside: a region's results are tensors).
+    for art in (debug_artifact(dp_shard=2, extra=("--dtype", "bf16")), debug_artifact(tp=2, extra=("--dtype", "bf16"))):
+        assert json.loads((art / "manifest.json").read_text())["passes"][-1] == "fuse_exact"
+        a = open_artifact(art, check_torch=False)
+        for kind in ("forward", "backward"):
+            nodes = read_doc(a.read_verified(a.rank_entry(0)[kind]))["nodes"]
+            tags = [n.get("region") for n in nodes]
+            runs = [t for i, t in enumerate(tags) if t and (i == 0 or tags[i - 1] != t)]
+            assert runs and len(runs) == len(set(runs)) and all(t.startswith("exact#") for t in runs)
+            for n in nodes:
+                if n.get("region"):
+                    assert n["target"] in allowed or resolve_target(n["target"]).is_view, n["target"]
+                    assert "shape" in n["val"], n  # one tensor, never a list
+                    seen.add(n["target"])
     # RMSNorm's and SwiGLU's element-wise work is in; their reductions and silu_backward are not.
     assert {"aten.pow.Tensor_Scalar", "aten.rsqrt.default", "aten.silu.default", "aten.cat.default"} <= seen
     assert not seen & {"aten.mean.dim", "aten.sum.dim_IntList", "aten.silu_backward.default", "aten.mm.default"}
     # On the CPU the exact regions stay on eager kernels: nothing is compiled (or imported).
+    art = debug_artifact(dp_shard=2, extra=("--dtype", "bf16"))
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
     r = titan("run", art, "--steps", 2, env=env)
     assert r.returncode == 0, r.stderr
