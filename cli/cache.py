@@ -1,4 +1,5 @@
-"""titan-cache: list, inspect, verify and garbage-collect the shared build cache."""
+"""titan-cache: list, inspect, verify and garbage-collect the shared build cache and the kernel
+store beside it (compiled fusion regions, runtime/kernel_store.py)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,20 @@ def _cache(ctx):
     return Cache(ctx.obj)
 
 
+def _kernels(cache):
+    from titan.runtime.kernel_store import KernelStore
+    return KernelStore(cache.root / "kernels")
+
+
+def _kernel_line(cache) -> str:
+    entries = _kernels(cache).entries()
+    if not entries:
+        return ""
+    last = max(e.last_used for e in entries)
+    return (f"kernels: {len(entries)} compiled regions, {_human(sum(e.size for e in entries))}, "
+            f"last used {_ago(last)}")
+
+
 @main.command("ls")
 @click.pass_context
 @user_errors
@@ -67,8 +82,9 @@ def ls_cmd(ctx):
     """Entries: key, model and layout, ranks, distinct blobs, size, last use."""
     cache = _cache(ctx)
     infos = sorted(cache.entries(), key=lambda i: -i.last_used)
+    kernels = _kernel_line(cache)
     if not infos:
-        click.echo(f"{cache.root}: empty")
+        click.echo(f"{cache.root}: " + (f"no builds; {kernels}" if kernels else "empty"))
         return
     click.echo(f"{'key':<14}{'model':<16}{'layout':<22}{'batch':>10}{'ranks':>7}{'blobs':>7}{'size':>11}  last used")
     for i in infos:
@@ -78,6 +94,8 @@ def ls_cmd(ctx):
                    f"{str(f['batch size']) + 'x' + str(f['seq len']):>10}{len(i.entry['ranks']):>7}"
                    f"{len(cache.entry_blobs(i.entry)):>7}{_human(i.size):>11}  {_ago(i.last_used)}")
     click.echo(f"total {_human(cache.size())} in {cache.root}")
+    if kernels:
+        click.echo(kernels)
 
 
 @main.command("info")
@@ -103,30 +121,41 @@ def info_cmd(ctx, key):
 @click.pass_context
 @user_errors
 def verify_cmd(ctx, remove):
-    """Re-hash every blob; exit 1 if any is corrupt."""
-    checked, bad = _cache(ctx).verify(remove=remove)
+    """Re-hash every blob and compiled kernel; exit 1 if any is corrupt."""
+    cache = _cache(ctx)
+    checked, bad = cache.verify(remove=remove)
     for sha in bad:
         click.echo(f"corrupt: {sha}{' (removed)' if remove else ''}")
-    click.echo(f"verified {checked} blobs: {len(bad)} corrupt")
-    sys.exit(1 if bad else 0)
+    k_checked, k_bad = _kernels(cache).verify(remove=remove)
+    for key in k_bad:
+        click.echo(f"corrupt kernel: {key}{' (removed; titan-run compiles it again)' if remove else ''}")
+    click.echo(f"verified {checked} blobs: {len(bad)} corrupt; {k_checked} kernels: {len(k_bad)} corrupt")
+    sys.exit(1 if bad or k_bad else 0)
 
 
 @main.command("gc")
 @click.option("--max-size", default=None, help="Shrink the cache to at most this size (e.g. 20G), least recently used first.")
-@click.option("--older-than", default=None, help="Remove entries unused for longer than this (e.g. 7d, 12h).")
+@click.option("--older-than", default=None,
+              help="Remove entries, and compiled kernels, unused for longer than this (e.g. 7d, 12h).")
 @click.pass_context
 @user_errors
 def gc_cmd(ctx, max_size, older_than):
-    """Remove entries by size and/or age; entries being built are never removed."""
+    """Remove entries by size and/or age (entries being built are never removed); --older-than
+    also removes compiled kernels by their last use (--max-size counts builds only)."""
     if max_size is None and older_than is None:
         raise ValueError("give --max-size SIZE and/or --older-than AGE")
-    result = _cache(ctx).gc(max_size=parse_size(max_size) if max_size else None,
-                            older_than_s=parse_age(older_than) if older_than else None)
+    cache = _cache(ctx)
+    result = cache.gc(max_size=parse_size(max_size) if max_size else None,
+                      older_than_s=parse_age(older_than) if older_than else None)
     for key in result["removed"]:
         click.echo(f"removed {key[:12]}")
     for key in result["skipped_locked"]:
         click.echo(f"kept {key[:12]} (a build holds it)")
-    click.echo(f"cache size now {_human(result['size'])}")
+    if older_than:
+        removed, freed = _kernels(cache).gc(older_than_s=parse_age(older_than))
+        if removed:
+            click.echo(f"removed {removed} compiled kernels ({_human(freed)})")
+    click.echo(f"cache size now {_human(result['size'])}" + (f"; {_kernel_line(cache)}" if _kernel_line(cache) else ""))
 
 
 if __name__ == "__main__":

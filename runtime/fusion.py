@@ -22,22 +22,14 @@ import hashlib
 import importlib.metadata
 import json
 import operator
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.fx as fx
 
-from titan.runtime.artifact import cache_root
+from titan.runtime.kernel_store import KernelStore
 
-
-
-def kernel_store_root() -> Path:
-    """Beside the build cache: $TITAN_CACHE_DIR/kernels (default ~/.cache/titan/kernels)."""
-    return cache_root() / "kernels"
 
 
 # Inductor settings under which a fused element-wise kernel rounds as eager's kernels do: each
@@ -96,7 +88,7 @@ def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule,
     are none to compile here (then nothing of inductor is imported)."""
     if not (has_regions(forward, device) or has_regions(backward, device)):
         return None
-    stats, memo, store = FusionStats(), {}, KernelStore(kernel_store_root())
+    stats, memo, store = FusionStats(), {}, KernelStore()
     for gm in (forward, backward):
         compile_regions(gm, device=device, store=store, stats=stats, memo=memo)
     return stats
@@ -177,37 +169,6 @@ def _input_layout(node: fx.Node) -> dict:
 
 def _example(val: dict, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(val["shape"], val["stride"], dtype=getattr(torch, val["dtype"]), device=device)
-
-
-class KernelStore:
-    def __init__(self, root: Path):
-        self.root = root
-
-    def load(self, key: str):
-        from torch._inductor import CompiledArtifact
-
-        path, digest = self.root / f"{key}.bin", self.root / f"{key}.sha256"
-        if not path.is_file() or not digest.is_file():
-            return None
-        data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != digest.read_text().strip():
-            return None  # torn or edited: compile again and replace it
-        return CompiledArtifact.load(path=str(path), format="binary")
-
-    def save(self, key: str, compiled) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            compiled.save(path=tmp, format="binary")
-            digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
-            os.replace(tmp, self.root / f"{key}.bin")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        sidecar = self.root / f".{key}.sha256.tmp{os.getpid()}"
-        sidecar.write_text(digest + "\n")
-        os.replace(sidecar, self.root / f"{key}.sha256")
 
 
 def _region_call(compiled, name: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from conftest import read_metrics, titan
 
@@ -38,9 +39,13 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
     victim = sorted((tmp_path / "cache" / "kernels").glob("*.bin"))[0]
     data = victim.read_bytes()
     victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    bad = titan("cache", "verify", env=env)
+    assert bad.returncode == 1 and f"corrupt kernel: {victim.stem}" in bad.stdout
     third = titan("run", art, "--steps", 1, env=env)
     assert third.returncode == 0, third.stderr
     assert f"1 compiled, {compiled - 1} loaded" in _fusion_line(third.stdout)
+    assert titan("cache", "verify", env=env).returncode == 0
+    assert f"kernels: {compiled} compiled regions" in titan("cache", "ls", env=env).stdout
     # Fused kernels reduce in their own order: close to eager, and titan-verify says why it differs.
     v = titan("verify", art, "--steps", 3, "--json", tmp_path / "v.json", env=env)
     losses = json.loads((tmp_path / "v.json").read_text())
@@ -48,6 +53,21 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
         assert abs(float.fromhex(e) - float.fromhex(g)) <= 1e-5 * abs(float.fromhex(e))
     if v.returncode == 1:
         assert "built with passes that change numerics (fuse_blocks)" in v.stdout
+    # gc goes by last use: kernels that a run loaded stay; unused ones go.
+    def age_kernels():
+        old = time.time() - 3 * 86400
+        for k in (tmp_path / "cache" / "kernels").glob("*.bin"):
+            os.utime(k, (old, old))
+
+    age_kernels()
+    assert titan("run", art, "--steps", 1, env=env).returncode == 0
+    kept = titan("cache", "gc", "--older-than", "1d", env=env)
+    assert kept.returncode == 0 and "compiled kernels" not in kept.stdout.split("cache size now")[0]
+    assert f"kernels: {compiled} compiled regions" in kept.stdout
+    age_kernels()
+    gone = titan("cache", "gc", "--older-than", "1d", env=env)
+    assert gone.returncode == 0 and f"removed {compiled} compiled kernels" in gone.stdout
+    assert not list((tmp_path / "cache" / "kernels").glob("*.bin"))
 
 
 def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact):
