@@ -27,7 +27,7 @@ from typing import Callable
 
 import filelock
 
-from titan.runtime.artifact import cache_root
+from titan.runtime.artifact import cache_root, file_sha256
 
 # gc leaves unreferenced files younger than this alone: a running build may be about to commit them.
 UNREFERENCED_GRACE_S = 600.0
@@ -198,11 +198,7 @@ class Cache:
         checked, bad = 0, []
         for path in sorted((self.root / "blobs").glob("*/*")):
             checked += 1
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-            if h.hexdigest() != path.name:
+            if file_sha256(path) != path.name:
                 bad.append(path.name)
         if remove and bad:
             bad_set = set(bad)

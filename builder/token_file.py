@@ -22,7 +22,6 @@ simply concatenated. A document is a whole input file, or each non-empty line (`
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import re
@@ -33,6 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from titan.runtime.artifact import file_sha256
 from titan.runtime.data import sidecar_path
 
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
@@ -61,14 +61,6 @@ class TextTokenizer:
     """What the sidecar says about the tokenizer (kind, path, sha256, spec)."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _is_tokenizers_json(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(64).lstrip().startswith(b"{")
@@ -79,7 +71,7 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str) -> TextTo
     separator token ('none' for no separator, None for the EOS_CANDIDATES rule)."""
     if not path.is_file():
         raise ValueError(f"--tokenizer {path}: no such file")
-    record = {"path": str(path), "sha256": _sha256(path)}
+    record = {"path": str(path), "sha256": file_sha256(path)}
     if _is_tokenizers_json(path):
         try:
             from tokenizers import Tokenizer
@@ -233,7 +225,7 @@ def write_token_file(texts: list[Path], out: Path, tokenizer: TextTokenizer, *, 
             os.unlink(tmp)
     sidecar = {"format": "titan-tokens", "format_version": 1, "dtype": dtype, "vocab_size": tokenizer.vocab_size,
                "tokens": count, "eos_id": tokenizer.eos_id, "documents": docs, "tokenizer": tokenizer.record,
-               "sources": [{"path": str(p), "bytes": p.stat().st_size, "sha256": _sha256(p)} for p in texts]}
+               "sources": [{"path": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in texts]}
     tmp = _temp_path(side)
     with open(tmp, "x") as f:
         f.write(json.dumps(sidecar, indent=1) + "\n")

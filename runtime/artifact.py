@@ -18,6 +18,15 @@ class ArtifactError(ValueError):
     """The artifact is missing, corrupt, or does not fit this process; the message says how to fix it."""
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def cache_root() -> Path:
     """The shared cache of builds and compiled kernels: $TITAN_CACHE_DIR, else ~/.cache/titan."""
     return Path(os.environ.get("TITAN_CACHE_DIR") or "~/.cache/titan").expanduser()

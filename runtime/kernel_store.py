@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan.runtime.artifact import cache_root
+from titan.runtime.artifact import cache_root, file_sha256
 
 STALE_TEMP_S = 3600.0
 """Temp files older than this are left over from a killed writer."""
@@ -24,14 +24,6 @@ STALE_TEMP_S = 3600.0
 def kernel_store_root() -> Path:
     """Beside the build cache: $TITAN_CACHE_DIR/kernels (default ~/.cache/titan/kernels)."""
     return cache_root() / "kernels"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -68,7 +60,7 @@ class KernelStore:
         os.close(fd)
         try:
             compiled.save(path=tmp, format="binary")
-            digest = _sha256(Path(tmp))
+            digest = file_sha256(Path(tmp))
             os.replace(tmp, self.root / f"{key}.bin")
         finally:
             if os.path.exists(tmp):
@@ -104,7 +96,7 @@ class KernelStore:
             checked += 1
             digest = self.root / f"{e.key}.sha256"
             try:
-                ok = digest.is_file() and _sha256(self.root / f"{e.key}.bin") == digest.read_text().strip()
+                ok = digest.is_file() and file_sha256(self.root / f"{e.key}.bin") == digest.read_text().strip()
             except FileNotFoundError:
                 continue
             if not ok:
