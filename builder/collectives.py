@@ -85,6 +85,23 @@ def hoist_ancestors(node: fx.Node, before: fx.Node) -> None:
         before.prepend(n)
 
 
+def unit_graph(graph: fx.Graph, together: dict[fx.Node, int]):
+    """The graph with each group of `together` contracted into one unit: (members of each unit
+    in graph order, successors of each unit). A node outside groups is the unit ("node",
+    position); group i is ("group", i)."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    unit = {n: ("group", together[n]) if n in together else ("node", pos[n]) for n in graph.nodes}
+    members: dict[tuple, list[fx.Node]] = {}
+    for n in graph.nodes:
+        members.setdefault(unit[n], []).append(n)
+    succs: dict[tuple, set] = {u: set() for u in members}
+    for n in graph.nodes:
+        for a in n.all_input_nodes:
+            if unit[a] != unit[n]:
+                succs[unit[a]].add(unit[n])
+    return members, succs
+
+
 def stable_toposort(graph: fx.Graph, *, together: dict[fx.Node, int] | None = None) -> None:
     """Reorder so that every node follows its inputs, otherwise keeping the current order as
     closely as possible (among ready units, the earliest goes first). Nodes that `together`
@@ -92,18 +109,11 @@ def stable_toposort(graph: fx.Graph, *, together: dict[fx.Node, int] | None = No
     their outside inputs are (the group must be convex)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    together = together or {}
-    unit = {n: ("group", together[n]) if n in together else ("node", pos[n]) for n in nodes}
-    members: dict[tuple, list[fx.Node]] = {}
-    for n in nodes:
-        members.setdefault(unit[n], []).append(n)
-    succs: dict[tuple, set] = {u: set() for u in members}
+    members, succs = unit_graph(graph, together or {})
     missing = dict.fromkeys(members, 0)
-    for n in nodes:
-        for a in set(n.all_input_nodes):
-            if unit[a] != unit[n] and unit[n] not in succs[unit[a]]:
-                succs[unit[a]].add(unit[n])
-                missing[unit[n]] += 1
+    for targets in succs.values():
+        for u in targets:
+            missing[u] += 1
     first = {u: pos[m[0]] for u, m in members.items()}
     ready = [(first[u], u) for u in members if missing[u] == 0]
     heapq.heapify(ready)

@@ -6,13 +6,15 @@ runtime/fusion.py's exact settings, computes bit for bit as eager's kernels do (
 on the GPU host by benchmarks/exact_ops.py; ops that measured different, and every reduction,
 stay on eager kernels). The regions are tagged "exact#<n>".
 
-The pass groups the element-wise and reduction work of each such module instance into
-regions, orders the graph so that each region's nodes are consecutive, and tags them
-(node.meta["titan_region"] = "<kind>#<n>", written to the graph as the node's "region").
+fuse_regions and fuse_blocks (titan-build --fuse, opt-in) group all element-wise and reduction
+work, per RMSNorm / RoPE / SwiGLU / loss module instance or per transformer block. Fused
+kernels keep intermediates in registers and reduce in their own order, so results differ from
+eager in the last bits: those passes are labeled as changing numerics.
+
+Every pass orders the graph so that each region's nodes are consecutive and tags them
+(node.meta["titan_region"] = "<kind>#<n>", written to the graph as the node's "region");
 titan-run compiles each region into generated kernels on the device it trains on
-(runtime/fusion.py). Matmuls, attention and collectives stay outside regions. Fused kernels
-keep intermediates in registers and reduce in their own order, so results differ from eager
-in the last bits: the pass is opt-in and labeled as changing numerics.
+(runtime/fusion.py). Matmuls, attention and collectives stay outside regions.
 
 A region is a convex set of same-key nodes (no path leaves it and comes back), so that it can run
 as one call: groups grow greedily in graph order (_convex_groups).
@@ -25,7 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from titan.builder.collectives import STARTS, WAIT, block_of, module_path, stable_toposort
+from titan.builder.collectives import STARTS, WAIT, block_of, module_path, stable_toposort, unit_graph
 from titan.builder.passes import PassContext
 
 aten = torch.ops.aten
@@ -166,22 +168,17 @@ def _convex_groups(graph: fx.Graph, key: dict[fx.Node, str]) -> list[list[fx.Nod
 def _cyclic_groups(graph: fx.Graph, regions: list[list[fx.Node]]) -> list[int]:
     """Groups on cycles of units (each group run as one unit: two convex groups can each need the
     other's outputs); empty when the units can be ordered."""
-    unit = {n: i for i, r in enumerate(regions) for n in r}
-    succs: dict = {unit.get(n, n): set() for n in graph.nodes}
+    _, succs = unit_graph(graph, {n: i for i, r in enumerate(regions) for n in r})
     preds: dict = {u: set() for u in succs}
-    for n in graph.nodes:
-        for a in n.all_input_nodes:
-            ua, un = unit.get(a, a), unit.get(n, n)
-            if ua != un:
-                succs[ua].add(un)
-                preds[un].add(ua)
+    for u, targets in succs.items():
+        for v in targets:
+            preds[v].add(u)
     # Peel units with no predecessor, then units with no successor, among those left: what
     # remains lies on cycles or between them.
     left = set(succs)
-    for edges in (preds, succs):
+    for edges, other in ((preds, succs), (succs, preds)):
         count = {u: len(edges[u]) for u in left}
         todo = [u for u in left if count[u] == 0]
-        other = succs if edges is preds else preds
         while todo:
             u = todo.pop()
             left.discard(u)
@@ -190,7 +187,7 @@ def _cyclic_groups(graph: fx.Graph, regions: list[list[fx.Node]]) -> list[int]:
                     count[v] -= 1
                     if count[v] == 0:
                         todo.append(v)
-    return [u for u in left if isinstance(u, int)]
+    return [i for kind, i in left if kind == "group"]
 
 
 def _without_cycles(graph: fx.Graph, regions: list[list[fx.Node]], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:

@@ -155,7 +155,8 @@ def gc_cmd(ctx, max_size, older_than):
         removed, freed = _kernels(cache).gc(older_than_s=parse_age(older_than))
         if removed:
             click.echo(f"removed {removed} compiled kernels ({_human(freed)})")
-    click.echo(f"cache size now {_human(result['size'])}" + (f"; {_kernel_line(cache)}" if _kernel_line(cache) else ""))
+    kernels = _kernel_line(cache)
+    click.echo(f"cache size now {_human(result['size'])}" + (f"; {kernels}" if kernels else ""))
 
 
 if __name__ == "__main__":

@@ -49,37 +49,32 @@ def exact_config() -> dict[str, bool]:
     """The exact settings that this torch's inductor has."""
     import torch._inductor.config as ic
 
+    missing = object()
     out = {}
     for key, value in _EXACT_SETTINGS.items():
         obj = ic
         for part in key.split("."):
-            obj = getattr(obj, part, _MISSING)
-        if obj is not _MISSING:
+            obj = getattr(obj, part, missing)
+        if obj is not missing:
             out[key] = value
     return out
 
 
-_MISSING = object()
-
-
 EXACT = "exact"
-# Kinds from titan-build --fuse: compiled on every device (the CPU too: C++ kernels).
-FUSE_KINDS = frozenset({"rms_norm", "rope", "swiglu", "loss", "block"})
 
 
 def _kind(tag: str) -> str:
     return tag.split("#")[0]
 
 
-def compiled_kinds(device: torch.device) -> set[str] | None:
-    """Region kinds compiled on `device`; None for all of them."""
-    return None if device.type == "cuda" else FUSE_KINDS
+def compiled_here(kind: str, device: torch.device) -> bool:
+    """Exact regions are compiled on GPUs only (elsewhere eager's kernels are what they
+    reproduce); --fuse regions on every device (C++ kernels on the CPU)."""
+    return kind != EXACT or device.type == "cuda"
 
 
 def has_regions(gm: fx.GraphModule, device: torch.device) -> bool:
-    kinds = compiled_kinds(device)
-    return any((tag := n.meta.get("titan_region")) and (kinds is None or _kind(tag) in kinds)
-               for n in gm.graph.nodes)
+    return any((tag := n.meta.get("titan_region")) and compiled_here(_kind(tag), device) for n in gm.graph.nodes)
 
 
 def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule,
@@ -141,15 +136,27 @@ def _runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return runs
 
 
-def _extract(run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
-    """The run as a graph with canonical names, its outside inputs and its outputs."""
+def _boundary(run: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The run's outside inputs and its outputs (members used outside), in graph order."""
     members = set(run)
     inputs: list[fx.Node] = []
     for n in run:
         for a in n.all_input_nodes:
             if a not in members and a not in inputs:
                 inputs.append(a)
-    outputs = [n for n in run if any(u not in members for u in n.users)]
+    return inputs, [n for n in run if any(u not in members for u in n.users)]
+
+
+def _signature(run: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> str:
+    """What the run computes, by position: equal for identical regions (every block's)."""
+    names = {a: f"in{i}" for i, a in enumerate(inputs)} | {n: f"n{i}" for i, n in enumerate(run)}
+    ops = [(str(n.target), fx.node.map_arg(n.args, names.__getitem__), fx.node.map_arg(n.kwargs, names.__getitem__))
+           for n in run]
+    return repr((ops, [names[o] for o in outputs], [_input_layout(a) for a in inputs]))
+
+
+def _extract(run: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
+    """The run as a graph with canonical names."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, a in enumerate(inputs):
@@ -158,7 +165,7 @@ def _extract(run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx
         env[n] = graph.create_node("call_function", n.target, fx.node.map_arg(n.args, env.__getitem__),
                                    fx.node.map_arg(n.kwargs, env.__getitem__), name=f"n{i}")
     graph.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(torch.nn.Module(), graph), inputs, outputs
+    return fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _input_layout(node: fx.Node) -> dict:
@@ -187,21 +194,23 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelSt
 
     t0 = time.perf_counter()
     context = {"device": _device_tag(device), **_versions()}
-    kinds = compiled_kinds(device)
     exact = exact_config()
     for run in _runs(gm):
-        tag = run[0].meta["titan_region"]
-        kind = _kind(tag)
-        if kinds is not None and kind not in kinds:
+        kind = _kind(run[0].meta["titan_region"])
+        if not compiled_here(kind, device):
             continue
         settings = exact if kind == EXACT else {}
-        sub, inputs, outputs = _extract(run)
-        layouts = [_input_layout(a) for a in inputs]
-        key = hashlib.sha256(json.dumps([sub.code, layouts, context, settings], sort_keys=True).encode()).hexdigest()[:32]
-        compiled = memo.get(key)
+        inputs, outputs = _boundary(run)
+        # Identical regions are recognized by signature, before any graph is built for them.
+        signature = (kind, _signature(run, inputs, outputs))
+        compiled = memo.get(signature)
         if compiled is not None:
             stats.reused += 1
         else:
+            sub = _extract(run, inputs, outputs)
+            layouts = [_input_layout(a) for a in inputs]
+            key = hashlib.sha256(json.dumps([sub.code, layouts, context, settings],
+                                            sort_keys=True).encode()).hexdigest()[:32]
             compiled = store.load(key)
             if compiled is not None:
                 stats.loaded += 1
@@ -214,7 +223,7 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelSt
                     store.save(key, compiled)
                 except RuntimeError:
                     stats.unstored += 1  # inductor produced nothing it can serialize; compiled each run
-            memo[key] = compiled
+            memo[signature] = compiled
         stats.regions += 1
         stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
         graph = gm.graph
