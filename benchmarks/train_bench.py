@@ -15,12 +15,14 @@ titan:   titan-build (outside the timed run; a cache hit when built before), the
          with the default passes (bit-exact with eager) and CUDA graphs. Ablation rows
          (TITAN_VARIANTS): titan-nopass (no bucketing, no overlap, no exact fusion),
          titan-bucket (FSDP bucketing alone), titan-overlap (reordering alone), titan-noexact
-         (the default passes but fuse_exact), titan-nocg (default passes, no CUDA graphs);
+         (the default passes but fuse_exact), titan-nocg (default passes, no CUDA graphs), titan-opbyop (AdamW op by op, not one kernel);
          titan-fuse / titan-fuse-regions use the numerics-changing fusion (titan-build --fuse).
 
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
 bf16 matmul rate measured here, time from process start to the end of the first step,
 process wall time, peak GPU memory (rank 0), and ratios to eager and to compile.
+BENCH_PROFILE=DIR: rank 0 of each row also profiles its last two steps (profile_steps.py) and
+prints where the GPU time went; those two steps are slower and drop out of the median.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ TITAN_VARIANTS = {
     "titan-bucket": (["--passes", "mask_index_put_to_where,bucket_all_gather,bucket_reduce_scatter"], [], True),
     "titan-overlap": (["--passes", "mask_index_put_to_where,overlap_collectives"], [], False),
     "titan-nocg": ([], ["--no-cuda-graphs"], False),
+    "titan-opbyop": ([], ["--no-fused-adamw"], False),
     "titan-fuse": (["--fuse"], [], False),
     "titan-fuse-regions": (["--fuse", "regions"], [], False),
 }
@@ -148,6 +151,11 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=batch, seq_len=seq_len, seed=0, dp_rank=dp_rank)
     times, losses, first_step_end = [], [], None
+    on_step = None
+    if os.environ.get("BENCH_PROFILE") and rank == 0:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from profile_steps import StepProfiler, window
+        on_step = StepProfiler(os.environ["BENCH_PROFILE"], f"{layout_name}-{mode}", *window(steps))
     for step in range(steps):
         tokens, labels = (t.to(device) for t in data.batch(step))
         sync()
@@ -164,6 +172,8 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         times.append(time.perf_counter() - t0)
         if first_step_end is None:
             first_step_end = time.time() - t_start
+        if on_step is not None:
+            on_step(step + 1)
     if rank == 0:
         Path(out).write_text(json.dumps({"step_times": times, "losses": losses, "first_step_s": first_step_end,
                                          "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0}))
@@ -228,8 +238,14 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
         subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
         metrics = tmp / f"{layout}-{mode}.jsonl"
         t0 = time.time()
-        wall = _spawn([sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
-                       "--metrics", str(metrics), *run_flags], world, env)
+        if os.environ.get("BENCH_PROFILE"):
+            run = [sys.executable, str(Path(__file__).parent / "profile_steps.py"), str(art), "--steps", str(opts.steps),
+                   "--metrics", str(metrics), "--out", os.environ["BENCH_PROFILE"], "--label", f"{layout}-{mode}",
+                   *run_flags]
+        else:
+            run = [sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
+                   "--metrics", str(metrics), *run_flags]
+        wall = _spawn(run, world, env)
         recs = [json.loads(line) for line in metrics.read_text().splitlines()]
         res = {"step_times": [r["step_time_s"] for r in recs], "losses": [r["loss"] for r in recs],
                "first_step_s": recs[0]["time"] - t0, "peak_gib": recs[-1].get("peak_mem_gib", 0.0)}
@@ -276,7 +292,8 @@ def main() -> None:
                 except (SystemExit, subprocess.CalledProcessError) as e:
                     print(f"{layout} {mode}: FAILED ({e})", flush=True)
                     continue
-                step = statistics.median(r["step_times"][2:]) if len(r["step_times"]) > 2 else r["step_times"][-1]
+                timed = r["step_times"][:-2] if os.environ.get("BENCH_PROFILE") else r["step_times"]
+                step = statistics.median(timed[2:]) if len(timed) > 2 else timed[-1]
                 tps = opts.batch_size * opts.seq_len * dp / step / world
                 results[mode] = dict(r, tokens_per_s_per_gpu=tps, mfu=tps * fpt / (PEAK_TFLOPS * 1e12),
                                      mfu_measured=tps * fpt / (measured * 1e12))

@@ -63,8 +63,25 @@ def exact_op(n: fx.Node) -> bool:
         return False  # eager may contract a + alpha * b into one FMA
     if n.target is aten.pow.Tensor_Scalar and n.args[1] not in _EXACT_POWERS:
         return False
-    if n.target is aten._to_copy.default and set(n.kwargs) - {"dtype"}:
-        return False  # a device or layout change is not a fusable cast
+    if n.target is aten._to_copy.default and not _plain_cast(n):
+        return False  # a device, layout or memory-format change is not a fusable cast
+    return True
+
+
+def _plain_cast(n: fx.Node) -> bool:
+    """A _to_copy that changes at most the dtype (naming the input's own layout and device is
+    allowed: traced `.to(dtype)` and `.float()` calls often spell them out)."""
+    src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    for k, v in n.kwargs.items():
+        if k == "dtype":
+            continue
+        if k == "layout" and v == torch.strided:
+            continue
+        if k == "device" and src is not None and torch.device(v) == src.device:
+            continue
+        if k == "memory_format" and v in (None, torch.preserve_format):
+            continue
+        return False
     return True
 
 

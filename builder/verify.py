@@ -1,5 +1,7 @@
 """titan-verify, per rank: train eagerly and from the artifact with the same seed and data,
-and compare the losses bit for bit."""
+and compare the losses bit for bit, step by step, and the parameters after the last step
+(losses alone can hide an optimizer that rounds differently: bf16 compute drops the last bits
+of fp32 master weights)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ def eager_config(manifest: dict) -> LlamaConfig:
 
 
 def verify_rank(artifact_path: str, cfg: RunConfig,
-                env: RankEnv) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.device]:
-    """Returns (eager losses, artifact losses, device); losses are summed over data-parallel ranks."""
+                env: RankEnv) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.device, int, int]:
+    """Returns (eager losses, artifact losses, device, parameter tensors that differ after the last
+    step, parameter tensors); losses are summed over data-parallel ranks."""
     art = open_artifact(artifact_path)
     m = art.manifest
     if env.world_size != art.world_size:
@@ -43,20 +46,25 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
     eager_opt = torch.optim.AdamW(eager.params, lr=cfg.lr, foreach=False, **ADAMW)
     eager_losses = train_loop(eager.step, eager_opt,
                               make_data(m, cfg, layout.coordinates(env.rank)), **kw)
-    del eager
+    eager_params = {fqn: p.detach().cpu() for fqn, p in eager.model.named_parameters()}
+    del eager, eager_opt
     program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed)
     if program.fusion is not None and env.rank == 0:
         print(program.fusion.line(), flush=True)
     with step_function(program, cfg, device) as step:
-        graph_losses = train_loop(step, make_optimizer(program.params, cfg.lr), make_data(m, cfg, program.coords), **kw)
-    return eager_losses, graph_losses, device
+        graph_losses = train_loop(step, make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw),
+                                  make_data(m, cfg, program.coords), **kw)
+    fqns = [p["fqn"] for p in art.rank_meta(env.rank)["params"]]
+    differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
+    return eager_losses, graph_losses, device, differ, len(fqns)
 
 
-def all_ranks_equal(eager: list[torch.Tensor], graph: list[torch.Tensor], device: torch.device) -> bool:
-    """Bitwise equality of this rank's losses, agreed across ranks."""
+def all_ranks_equal(eager: list[torch.Tensor], graph: list[torch.Tensor], device: torch.device,
+                    params_differ: int = 0) -> tuple[bool, int]:
+    """(bitwise equality of every rank's losses, parameter tensors that differ on all ranks together)."""
     same = all(torch.equal(a, b) for a, b in zip(eager, graph))
     if not dist.is_initialized():
-        return same
-    flag = torch.tensor([0 if same else 1], device=device)
-    dist.all_reduce(flag)
-    return int(flag) == 0
+        return same, params_differ
+    flags = torch.tensor([0 if same else 1, params_differ], device=device)
+    dist.all_reduce(flags)
+    return int(flags[0]) == 0, int(flags[1])

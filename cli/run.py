@@ -43,6 +43,8 @@ def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
               help="Seconds a rank waits in a collective (or for its peers) before the job fails.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")
+@click.option("--fused-adamw/--no-fused-adamw", default=True, show_default=True,
+              help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
 @click.option("--init-from-hf", default=None, type=click.Path(file_okay=False),
               help="Load the initial weights from a Hugging Face Llama directory (config.json + safetensors).")
 @click.option("--checkpoint-dir", default=None, type=click.Path(file_okay=False),
@@ -51,13 +53,14 @@ def check_shape_flags(manifest: dict, batch_size, seq_len) -> None:
 @click.option("--resume", is_flag=True, help="Continue from the latest complete checkpoint in --checkpoint-dir.")
 @user_errors
 def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, tensorboard, device, deterministic,
-         timeout_s, cuda_graphs, init_from_hf, checkpoint_dir, checkpoint_every, resume):
+         timeout_s, cuda_graphs, fused_adamw, init_from_hf, checkpoint_dir, checkpoint_every, resume):
     """Train from ARTIFACT (a directory written by titan-build)."""
     from titan.runtime.artifact import open_artifact
     from titan.runtime.train import RunConfig, rank_main
 
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, metrics=metrics,
                     tensorboard=tensorboard, device=device, deterministic=deterministic, cuda_graphs=cuda_graphs,
+                    fused_adamw=fused_adamw,
                     timeout_s=timeout_s, init_from_hf=init_from_hf, checkpoint_dir=checkpoint_dir,
                     checkpoint_every=checkpoint_every, resume=resume)
     if "RANK" in os.environ:

@@ -24,16 +24,19 @@ from titan.cli.errors import user_errors
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")
+@click.option("--fused-adamw/--no-fused-adamw", default=True, show_default=True,
+              help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
 @user_errors
-def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, json_path):
+def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
     from titan.runtime.artifact import open_artifact
     from titan.runtime.train import RunConfig
 
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
-                    deterministic=deterministic, cuda_graphs=cuda_graphs)
+                    deterministic=deterministic, cuda_graphs=cuda_graphs,
+                    fused_adamw=fused_adamw)
     if "RANK" in os.environ:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))
@@ -50,16 +53,20 @@ def _rank(artifact: str, cfg, json_path: str | None) -> int:
 
 def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
     from titan.builder.verify import all_ranks_equal, verify_rank
-    eager, graph, device = verify_rank(artifact, cfg, env)
-    equal = all_ranks_equal(eager, graph, device)
+    eager, graph, device, differ, n_params = verify_rank(artifact, cfg, env)
+    losses_equal, differ = all_ranks_equal(eager, graph, device, differ)
+    equal = losses_equal and differ == 0
     if env.rank == 0:
         if json_path:
             with open(json_path, "w") as f:
                 json.dump({"eager": [x.item().hex() for x in eager], "artifact": [x.item().hex() for x in graph],
-                           "bitwise_equal": equal}, f)
+                           "parameters_differing": differ, "bitwise_equal": equal}, f)
         print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  same")
         for i, (a, b) in enumerate(zip(eager, graph), 1):
             print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {'yes' if bool((a == b).all()) else 'NO'}")
+        world = dist_world()
+        print(f"parameters after step {len(graph)}: " + ("all bitwise equal" if differ == 0 else
+              f"{differ} tensors differ") + f" ({n_params} tensors per rank, {world} ranks)")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
         changing = _numerics_changing_passes(artifact)
         if changing and not equal:
@@ -67,6 +74,11 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
             print(f"note: built with passes that change numerics ({', '.join(changing)}); largest relative loss "
                   f"difference {worst:.2e}", flush=True)
     return 0 if equal else 1
+
+
+def dist_world() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _numerics_changing_passes(artifact: str) -> list[str]:

@@ -45,6 +45,8 @@ class RunConfig:
     """Print no step lines."""
     cuda_graphs: bool = True
     """On GPU, capture forward + backward once and replay it (no effect on CPU)."""
+    fused_adamw: bool = True
+    """On GPU, update each parameter with one AdamW kernel (bitwise the op-by-op update)."""
     timeout_s: float = 300.0
     """Longest wait in a collective or for peers to join before the rank fails."""
     deterministic: bool = False
@@ -63,7 +65,14 @@ class RunConfig:
 ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def make_optimizer(params: list[torch.Tensor], lr: float) -> AdamW:
+def make_optimizer(params: list[torch.Tensor], lr: float, device: torch.device | None = None, *,
+                   fused: bool = True) -> AdamW:
+    """AdamW over `params`: on a GPU (with triton) one kernel per parameter, elsewhere op by op;
+    both round exactly as torch.optim.AdamW(foreach=False) does."""
+    if fused and device is not None and device.type == "cuda":
+        from titan.runtime.fused_adamw import FusedAdamW, fused_adamw_available
+        if fused_adamw_available(params):
+            return FusedAdamW(params, lr=lr, **ADAMW)
     return AdamW(params, lr=lr, **ADAMW)
 
 
@@ -154,7 +163,9 @@ def _step_logger(cfg: RunConfig, is_rank0: bool, total: int):
                    append=cfg.resume)
 
 
-def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Tensor]:
+def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
+             on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """Train this rank; `on_step(step)` (if given) runs after each step's bookkeeping."""
     artifact = open_artifact(artifact_path)
     if env.world_size != artifact.world_size:
         raise ArtifactError(f"{artifact_path} was built for world size {artifact.world_size}, but this job has "
@@ -174,17 +185,23 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> list[torch.Ten
                            load_param=run_state.load_param)
     if program.fusion is not None and env.rank == 0 and not cfg.quiet:
         print(program.fusion.line(), flush=True)
-    optimizer = make_optimizer(program.params, cfg.lr)
+    optimizer = make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw)
     start = run_state.restore(program.params, optimizer)
     if start == cfg.steps:  # --steps 0: only the initial state is checkpointed
         run_state.after_step(start, program.params, optimizer)
     data = make_data(artifact.manifest, cfg, program.coords)
     m = artifact.manifest
     tokens_per_step = m["batch_size"] * m["seq_len"] * m["layout"]["dp_replicate"] * m["layout"]["dp_shard"]
+
+    def after_step(s: int) -> None:
+        run_state.after_step(s, program.params, optimizer)
+        if on_step is not None:
+            on_step(s)
+
     with step_function(program, cfg, device) as step:
         return train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
                           tokens_per_step=tokens_per_step, log=_step_logger(cfg, env.rank == 0, cfg.steps),
-                          start=start, after_step=lambda s: run_state.after_step(s, program.params, optimizer))
+                          start=start, after_step=after_step)
 
 
 @contextlib.contextmanager

@@ -97,6 +97,7 @@ def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eage
 
     allowed = {target_name(op) for op in EXACT_OPS}
     seen = set()
+    cast_kwargs = set()
     # bf16, as on GPUs (the bucket copy-in casts); FSDP and tensor parallel (its sequence-parallel
     # gathers split lists, which stay outside: a region's results are tensors).
     for art in (debug_artifact(dp_shard=2, extra=("--dtype", "bf16")), debug_artifact(tp=2, extra=("--dtype", "bf16"))):
@@ -112,9 +113,14 @@ def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eage
                     assert n["target"] in allowed or resolve_target(n["target"]).is_view, n["target"]
                     assert "shape" in n["val"], n  # one tensor, never a list
                     seen.add(n["target"])
+                    if n["target"] == "aten._to_copy.default":
+                        assert set(n["kwargs"]) <= {"dtype", "layout", "device"}, n
+                        cast_kwargs |= set(n["kwargs"])
     # RMSNorm's and SwiGLU's element-wise work is in; their reductions and silu_backward are not.
     assert {"aten.pow.Tensor_Scalar", "aten.rsqrt.default", "aten.silu.default", "aten.cat.default"} <= seen
     assert not seen & {"aten.mean.dim", "aten.sum.dim_IntList", "aten.silu_backward.default", "aten.mm.default"}
+    # Traced `.to(dtype)` calls that spell out the (unchanged) layout are plain casts too.
+    assert "layout" in cast_kwargs
     # On the CPU the exact regions stay on eager kernels: nothing is compiled (or imported).
     art = debug_artifact(dp_shard=2, extra=("--dtype", "bf16"))
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))

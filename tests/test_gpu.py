@@ -70,3 +70,26 @@ def test_8b_tp4_bf16_cuda_graphs_bitwise_equal_to_eager(tmp_path):
 def test_deterministic_kernels_bitwise_on_cuda(debug_artifact, tmp_path):
     result = _verify_json(debug_artifact(tp=2), tmp_path, "det", "--deterministic")
     assert result["bitwise_equal"] and result["eager"] == result["artifact"]
+
+
+@pytest.mark.gpu(count=1)
+def test_one_kernel_adamw_bitwise_equal_to_torch_single_tensor_adamw():
+    from titan.runtime.fused_adamw import FusedAdamW
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(1000, 37), (4096,), (3, 5, 7), (1 << 20,), (1,)]
+    params = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
+    ref_params = [p.clone() for p in params]
+    hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = FusedAdamW(params, **hp)
+    ref = torch.optim.AdamW(ref_params, foreach=False, **hp)
+    for _ in range(6):
+        for p, q in zip(params, ref_params):
+            scale = torch.exp2(torch.randint(-30, 4, p.shape, device="cuda", generator=g).float())
+            p.grad = torch.randn(p.shape, device="cuda", generator=g) * scale
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+        for p, q, m, v in zip(params, ref_params, ours.exp_avg, ours.exp_avg_sq):
+            assert torch.equal(p, q)
+            assert torch.equal(m, ref.state[q]["exp_avg"]) and torch.equal(v, ref.state[q]["exp_avg_sq"])

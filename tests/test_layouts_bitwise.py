@@ -27,7 +27,9 @@ def test_artifact_losses_equal_eager_at_every_step(layout, debug_artifact, tmp_p
     r = titan("verify", art, "--steps", STEPS, "--json", out)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bitwise equal: yes" in r.stdout
+    assert f"parameters after step {STEPS}: all bitwise equal" in r.stdout
     result = json.loads(out.read_text())
+    assert result["parameters_differing"] == 0
     eager, artifact = _losses(result["eager"]), _losses(result["artifact"])
     assert len(eager) == STEPS
     for step in range(STEPS):
