@@ -16,7 +16,7 @@ LAYOUTS=${LAYOUTS:-fsdp4 tp4}
 MODES=${MODES:-eager,compile,titan,titan-fuse}
 t_start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t_start )); }
-flags() { case $1 in tp4) echo --tp 4;; fsdp4) echo --dp-shard 4;; dp2tp2) echo --dp-shard 2 --tp 2;; esac; }
+flags() { case $1 in tp4) echo --tp 4;; fsdp4) echo --dp-shard 4;; dp2tp2) echo --dp-shard 2 --tp 2;; dp2tp4) echo --dp-shard 2 --tp 4;; esac; }
 build8b() {
   local name=$1; shift
   titan-build --model llama3 --dtype bf16 --jobs 8 --out "artifacts/$name" "$@" > "$OUT/build-$name.txt" 2>&1

@@ -15,7 +15,7 @@ MODES=${MODES:-eager,compile,titan,titan-fuse}
 STEPS=${STEPS:-10}
 t_start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t_start )); }
-flags() { case $1 in tp4) echo --tp 4;; fsdp4) echo --dp-shard 4;; dp2tp2) echo --dp-shard 2 --tp 2;; esac; }
+flags() { case $1 in tp4) echo --tp 4;; fsdp4) echo --dp-shard 4;; dp2tp2) echo --dp-shard 2 --tp 2;; dp2tp4) echo --dp-shard 2 --tp 4;; esac; }
 (
   for l in $LAYOUTS; do
     titan-build --model llama3 --dtype bf16 --jobs 8 --out "artifacts/$l" $(flags "$l") > /dev/null 2>&1 &

@@ -40,7 +40,8 @@ from pathlib import Path
 
 PEAK_TFLOPS = 989.0
 LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsdp2": dict(dp_shard=2),
-           "dp2tp2": dict(dp_shard=2, tp=2), "tp2dp2": dict(dp_shard=2, tp=2)}
+           "dp2tp2": dict(dp_shard=2, tp=2), "tp2dp2": dict(dp_shard=2, tp=2),
+           "dp2tp4": dict(dp_shard=2, tp=4)}
 
 
 def _defaults_but(*dropped: str):
