@@ -6,28 +6,10 @@
 #     kernels generated here) of a debug bf16 dp-shard 2 x tp 2 artifact (DEBUG=1), then of the
 #     8B VERIFY layouts (default: LAYOUTS).
 #  3. The GPU tests (TESTS=1; TESTS_K selects some by pytest -k). FUSE=0 skips the --fuse builds.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/titan-gpu}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TITAN_CACHE_DIR=${TITAN_CACHE_DIR:-/tmp/titan-cache}
+source "$(dirname "$0")/gpu_common.sh"
 LAYOUTS=${LAYOUTS:-fsdp4 tp4}
 VERIFY=${VERIFY:-$LAYOUTS}
-t_start=$(date +%s)
-elapsed() { echo $(( $(date +%s) - t_start )); }
-flags() { case $1 in tp4) echo --tp 4;; fsdp4) echo --dp-shard 4;; dp2tp2) echo --dp-shard 2 --tp 2;; dp2tp4) echo --dp-shard 2 --tp 4;; esac; }
-(
-  for l in $LAYOUTS; do
-    titan-build --model llama3 --dtype bf16 --jobs 8 --out "artifacts/$l" $(flags "$l") > "/tmp/titan-build-$l.txt" 2>&1 &
-    if [ "${FUSE:-1}" = 1 ]; then
-      titan-build --model llama3 --dtype bf16 --jobs 8 --out "artifacts/$l-fuse" $(flags "$l") --fuse > /dev/null 2>&1 &
-    fi
-  done
-  wait
-  echo "builds done at $(elapsed) s"
-) > "$OUT/builds.txt" 2>&1 &
-builds=$!
+build_layouts "${FUSE:-1}"
 timeout 200 python3 benchmarks/adamw_exact.py --json "$OUT/adamw.json" > "$OUT/adamw.txt" 2>&1
 echo "== adamw exit $? [$(elapsed) s]"; grep -v "^W1\|^I1" "$OUT/adamw.txt" | tail -24
 if [ "${DEBUG:-1}" = 1 ]; then
@@ -35,7 +17,7 @@ if [ "${DEBUG:-1}" = 1 ]; then
   timeout 150 titan-verify artifacts/debug-dp2tp2 --steps 10 --device cuda > "$OUT/verify-debug.txt" 2>&1
   echo "== verify debug bf16 dp2tp2: $(grep -m1 '^fusion:' "$OUT/verify-debug.txt") | $(tail -n 2 "$OUT/verify-debug.txt" | tr '\n' ' ') [$(elapsed) s]"
 fi
-wait $builds; cat "$OUT/builds.txt"; for f in /tmp/titan-build-*.txt; do tail -n 1 "$f"; done
+wait $builds; cat "$OUT/builds.txt"
 for l in $VERIFY; do
   timeout 220 titan-verify "artifacts/$l" --steps 10 --deterministic > "$OUT/verify-8b-$l.txt" 2>&1
   echo "== verify 8B $l: $(grep -m1 '^fusion:' "$OUT/verify-8b-$l.txt") | $(tail -n 2 "$OUT/verify-8b-$l.txt" | tr '\n' ' ') [$(elapsed) s]"

@@ -4,28 +4,11 @@
 #     (benchmarks/adamw_exact.py, skipped with ADAMW=0).
 #  2. train_bench.py with BENCH_PROFILE: each row's rank 0 profiles its last two steps; the
 #     summaries are merged into $OUT/profile.json and printed.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/titan-gpu}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TITAN_CACHE_DIR=${TITAN_CACHE_DIR:-/tmp/titan-cache}
+source "$(dirname "$0")/gpu_common.sh"
 LAYOUTS=${LAYOUTS:-fsdp4}
 MODES=${MODES:-eager,compile,titan,titan-fuse}
 STEPS=${STEPS:-10}
-t_start=$(date +%s)
-elapsed() { echo $(( $(date +%s) - t_start )); }
-flags() { case $1 in tp4) echo --tp 4;; fsdp4) echo --dp-shard 4;; dp2tp2) echo --dp-shard 2 --tp 2;; dp2tp4) echo --dp-shard 2 --tp 4;; esac; }
-(
-  for l in $LAYOUTS; do
-    titan-build --model llama3 --dtype bf16 --jobs 8 --out "artifacts/$l" $(flags "$l") > /dev/null 2>&1 &
-    case $MODES in *titan-fuse*) titan-build --model llama3 --dtype bf16 --jobs 8 --out "artifacts/$l-fuse" \
-      $(flags "$l") --fuse > /dev/null 2>&1 & ;; esac
-  done
-  wait
-  echo "builds done at $(elapsed) s"
-) > "$OUT/builds.txt" 2>&1 &
-builds=$!
+build_layouts "$(has_fuse)"
 if [ "${ADAMW:-1}" = 1 ]; then
   timeout 240 python3 benchmarks/adamw_exact.py --json "$OUT/adamw.json" > "$OUT/adamw.txt" 2>&1
   echo "== adamw exit $? [$(elapsed) s]"; grep -v "^W1\|^I1" "$OUT/adamw.txt" | tail -12

@@ -64,9 +64,8 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
         print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  same")
         for i, (a, b) in enumerate(zip(eager, graph), 1):
             print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {'yes' if bool((a == b).all()) else 'NO'}")
-        world = dist_world()
         print(f"parameters after step {len(graph)}: " + ("all bitwise equal" if differ == 0 else
-              f"{differ} tensors differ") + f" ({n_params} tensors per rank, {world} ranks)")
+              f"{differ} tensors differ") + f" ({n_params} tensors per rank, {env.world_size} ranks)")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
         changing = _numerics_changing_passes(artifact)
         if changing and not equal:
@@ -74,11 +73,6 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
             print(f"note: built with passes that change numerics ({', '.join(changing)}); largest relative loss "
                   f"difference {worst:.2e}", flush=True)
     return 0 if equal else 1
-
-
-def dist_world() -> int:
-    import torch.distributed as dist
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _numerics_changing_passes(artifact: str) -> list[str]:

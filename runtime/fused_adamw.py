@@ -81,15 +81,9 @@ class FusedAdamW(AdamW):
         global _kernel
         if _kernel is None:
             _kernel = _build_kernel()
-        self.steps += 1
+        step_size, bias_correction2_sqrt = self.next_step()
         beta1, beta2 = self.betas
-        lr = self.lr
-        step = float(self.steps)
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2 = 1 - beta2 ** step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2 ** 0.5
-        scalars = (_f32(1 - lr * self.weight_decay), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2),
+        scalars = (_f32(1 - self.lr * self.weight_decay), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2),
                    _f32(1 / bias_correction2_sqrt), _f32(self.eps), _f32(-step_size))
         for p, exp_avg, exp_avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq):
             grad = p.grad

@@ -8,7 +8,6 @@ goes by. This module imports no torch: titan-cache reads and prunes the store wi
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 import time
@@ -42,8 +41,7 @@ class KernelStore:
         path, digest = self.root / f"{key}.bin", self.root / f"{key}.sha256"
         if not path.is_file() or not digest.is_file():
             return None
-        data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != digest.read_text().strip():
+        if file_sha256(path) != digest.read_text().strip():
             return None  # compile again and replace it
         from torch._inductor import CompiledArtifact
 

@@ -20,20 +20,23 @@ class AdamW:
         self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         self.steps = 0
 
-    @torch.no_grad()
-    def step(self) -> None:
+    def next_step(self) -> tuple[float, float]:
+        """Count one more step; its (step_size, bias_correction2_sqrt), as torch computes them."""
         self.steps += 1
         beta1, beta2 = self.betas
-        lr = self.lr
         step = float(self.steps)
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2 ** 0.5
+        return self.lr / bias_correction1, bias_correction2 ** 0.5
+
+    @torch.no_grad()
+    def step(self) -> None:
+        step_size, bias_correction2_sqrt = self.next_step()
+        beta1, beta2 = self.betas
         for p, exp_avg, exp_avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq):
             grad = p.grad
             assert grad is not None, "every parameter gets a gradient from the backward graph"
-            p.mul_(1 - lr * self.weight_decay)
+            p.mul_(1 - self.lr * self.weight_decay)
             exp_avg.lerp_(grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)

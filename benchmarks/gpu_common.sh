@@ -1,0 +1,40 @@
+# Sourced by gpu_exact.sh, gpu_adamw.sh and gpu_profile.sh: the repository root as working
+# directory, $OUT, the NCCL settings these hosts need, one build cache for the whole call,
+# elapsed, flags LAYOUT, build_layouts and wait_for.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/titan-gpu}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TITAN_CACHE_DIR=${TITAN_CACHE_DIR:-/tmp/titan-cache}
+t_start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - t_start )); }
+flags() {
+  case $1 in
+    tp4) echo --tp 4;; fsdp4) echo --dp-shard 4;; dp2tp2) echo --dp-shard 2 --tp 2;; dp2tp4) echo --dp-shard 2 --tp 4;;
+  esac
+}
+_build8b() {
+  local name=$1; shift
+  titan-build --model llama3 --dtype bf16 --jobs 8 --out "artifacts/$name" "$@" > "/tmp/titan-build-$name.txt" 2>&1
+  echo "built $name: exit $? at $(elapsed) s"
+}
+# build_layouts FUSE: in the background, the 8B artifact of each of $LAYOUTS with the default
+# passes (artifacts/LAYOUT) and, when FUSE is 1, with --fuse (artifacts/LAYOUT-fuse); one line
+# "built NAME: exit S at T s" each in $OUT/builds.txt (logs in /tmp/titan-build-NAME.txt).
+# Sets $builds to the builder's pid.
+build_layouts() {
+  local fuse=$1 l
+  (
+    for l in $LAYOUTS; do
+      _build8b "$l" $(flags "$l") &
+      if [ "$fuse" = 1 ]; then _build8b "$l-fuse" $(flags "$l") --fuse & fi
+    done
+    wait
+  ) > "$OUT/builds.txt" 2>&1 &
+  builds=$!
+}
+# wait_for NAME: until build_layouts has built NAME.
+wait_for() { until grep -q "built $1:" "$OUT/builds.txt" 2>/dev/null; do sleep 2; done; }
+# has_fuse: whether $MODES has a titan-fuse row (1) or not (0).
+has_fuse() { case ${MODES:-} in *titan-fuse*) echo 1;; *) echo 0;; esac; }
