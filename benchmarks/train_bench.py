@@ -85,7 +85,7 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from titan.builder.eager import materialize_shards
+    from titan.cli.tools.eager import materialize_shards
     from titan.builder.layout import Layout
     from titan.builder.models.llama3 import Llama3, init_specs
     from titan.builder.models.llama3_config import FLAVORS

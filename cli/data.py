@@ -25,7 +25,7 @@ from titan.cli.errors import user_errors
 @user_errors
 def main(texts, out, tokenizer_path, tiktoken_spec, eos, documents):
     """Tokenize TEXTS (UTF-8 files, in order) into OUT for titan-run --data OUT."""
-    from titan.builder.token_file import load_tokenizer, write_token_file
+    from titan.cli.tools.token_file import load_tokenizer, write_token_file
 
     tok = load_tokenizer(tokenizer_path, eos=eos, tiktoken_spec=tiktoken_spec)
     summary = write_token_file(list(texts), out, tok, per_line=documents == "line")

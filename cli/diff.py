@@ -25,7 +25,7 @@ GRAPHS = {"fw": ("forward",), "bw": ("backward",), "all": ("forward", "backward"
 @user_errors
 def main(artifacts, ranks, rank, graph, as_json, max_lines):
     """titan-diff ART --ranks A B  |  titan-diff ART1 ART2 [--rank R]"""
-    from titan.builder.graph_diff import diff_ranks
+    from titan.cli.tools.graph_diff import diff_ranks
     from titan.runtime.artifact import open_artifact
 
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from titan.cli.errors import user_errors
 @user_errors
 def main(artifact, rank, graph):
     """List the forward and/or backward graph of one rank."""
-    from titan.builder.graph_listing import list_graph
+    from titan.cli.tools.graph_listing import list_graph
     from titan.runtime.artifact import open_artifact
 
     art = open_artifact(artifact, check_torch=False)

@@ -52,7 +52,7 @@ def _rank(artifact: str, cfg, json_path: str | None) -> int:
 
 
 def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
-    from titan.builder.verify import all_ranks_equal, verify_rank
+    from titan.cli.tools.verify import all_ranks_equal, verify_rank
     eager, graph, device, differ, n_params = verify_rank(artifact, cfg, env)
     losses_equal, differ = all_ranks_equal(eager, graph, device, differ)
     equal = losses_equal and differ == 0

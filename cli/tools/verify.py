@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titan.builder.eager import EagerProgram
+from titan.cli.tools.eager import EagerProgram
 from titan.builder.layout import Layout
 from titan.builder.models.llama3_config import FLAVORS, LlamaConfig
 from titan.runtime.artifact import open_artifact
