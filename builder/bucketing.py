@@ -21,8 +21,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from titan.builder.collectives import (ALL_GATHER, REDUCE_SCATTER, WAIT, Collective, block_of, collectives, emit,
-                                       hoist_ancestors, module_path, positions, stable_toposort)
+from titan.builder.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, Collective, block_of, collectives
+from titan.builder.fx_graph import emit, hoist_ancestors, module_path, positions, stable_toposort
 from titan.builder.passes import PassContext
 
 aten = torch.ops.aten

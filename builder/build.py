@@ -22,7 +22,8 @@ from titan.builder.cache import Cache
 from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
 from titan.builder.layout import Layout, check_layout
 from titan.builder.models.llama3_config import DEFAULT_FLAVOR, FLAVORS, LlamaConfig
-from titan.builder.passes import AC_POLICIES, check_passes, default_passes
+from titan.builder.checkpointing import AC_POLICIES
+from titan.builder.passes import check_passes, default_passes
 from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
 
 MODELS = {"llama3": FLAVORS}

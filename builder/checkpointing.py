@@ -14,16 +14,14 @@ Recomputation runs the same ops on the same inputs, so results are unchanged.
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
-import torch
-import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy
+if TYPE_CHECKING:
+    import torch.fx as fx
 
-import titan.runtime.ops  # noqa: F401  (registers torch.ops.titan)
-from titan.builder.collectives import REDUCE_SCATTER, WAIT, module_path
-from titan.builder.passes import AC_POLICIES
-
-_SAVED_IN_SELECTIVE = {torch.ops.aten.mm.default, torch.ops.titan.attention.default, REDUCE_SCATTER}
+AC_POLICIES = ("none", "full", "selective")
+"""titan-build --ac. This module imports torch only when it tags a graph: titan-build checks the
+policy on the cache-hit path."""
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -41,19 +39,36 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return seen
 
 
-def _expensive(n: fx.Node) -> bool:
-    """A matmul, attention or reduce-scatter, or the wait / tuple item that yields its result."""
+def _expensive_ops() -> set:
+    """What selective saves: matmuls, attention and tensor-parallel reduce-scatters."""
+    import torch
+
+    import titan.runtime.ops  # noqa: F401  (registers torch.ops.titan)
+    from titan.builder.collectives import REDUCE_SCATTER
+
+    return {torch.ops.aten.mm.default, torch.ops.titan.attention.default, REDUCE_SCATTER}
+
+
+def _expensive(n: fx.Node, expensive_ops: set) -> bool:
+    """One of `expensive_ops`, or the wait / tuple item that yields its result."""
+    from titan.builder.collectives import WAIT
+
     if n.target in (WAIT, operator.getitem):
         n = n.args[0]
-    return n.target in _SAVED_IN_SELECTIVE
+    return n.target in expensive_ops
 
 
 def tag_activation_checkpointing(joint: fx.GraphModule, policy: str) -> int:
     """Tag the joint graph for `policy`; returns the number of nodes marked for recompute."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from titan.builder.fx_graph import module_path
+
     assert policy in AC_POLICIES, policy
     if policy == "none":
         return 0
     backward = _backward_nodes(joint.graph)
+    expensive_ops = _expensive_ops()
     tagged = 0
     for n in joint.graph.nodes:
         if n.op != "call_function" or n in backward:
@@ -61,7 +76,7 @@ def tag_activation_checkpointing(joint: fx.GraphModule, policy: str) -> int:
         parts = module_path(n).split(".")
         if parts[0] != "layers" or len(parts) < 2:
             continue
-        save = policy == "selective" and _expensive(n)
+        save = policy == "selective" and _expensive(n, expensive_ops)
         n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
         n.meta["ac_graph_id"] = int(parts[1])
         tagged += not save

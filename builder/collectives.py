@@ -1,4 +1,4 @@
-"""Functional collectives in a traced graph, and the node-order tools the passes share.
+"""Functional collectives in a traced graph: the ops, and each start paired with its wait.
 
 A collective in these graphs is a start node (`_c10d_functional.all_gather_into_tensor`,
 `reduce_scatter_tensor`, `all_reduce`) whose one user is a `wait_tensor`. At run time the
@@ -10,7 +10,6 @@ with the collective. Moving nodes never changes what any node computes.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import torch
@@ -48,106 +47,7 @@ def collectives(graph: fx.Graph) -> list[Collective]:
     return out
 
 
-def module_path(node: fx.Node) -> str:
-    return str((node.meta.get("custom") or {}).get("module", ""))
-
-
 def block_of(module: str) -> str:
     """'layers.3.attention.wq' -> 'layers.3'; 'output' -> 'output'."""
     parts = module.split(".")
     return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]
-
-
-def positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def move_after(anchor: fx.Node, nodes: list[fx.Node]) -> None:
-    """Place `nodes`, in the given order, right after `anchor`."""
-    for n in reversed(nodes):
-        anchor.append(n)
-
-
-def hoist_ancestors(node: fx.Node, before: fx.Node) -> None:
-    """Move the non-placeholder ancestors of `node` that sit after `before` to just before it,
-    keeping their relative order (each is moved after its own inputs)."""
-    pos = positions(node.graph)
-    limit = pos[before]
-    late: set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n in late or n.op == "placeholder" or pos[n] < limit:
-            continue
-        late.add(n)
-        stack.extend(n.all_input_nodes)
-    for n in sorted(late, key=pos.__getitem__):
-        before.prepend(n)
-
-
-def unit_graph(graph: fx.Graph, together: dict[fx.Node, int]):
-    """The graph with each group of `together` contracted into one unit: (members of each unit
-    in graph order, successors of each unit). A node outside groups is the unit ("node",
-    position); group i is ("group", i)."""
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    unit = {n: ("group", together[n]) if n in together else ("node", pos[n]) for n in graph.nodes}
-    members: dict[tuple, list[fx.Node]] = {}
-    for n in graph.nodes:
-        members.setdefault(unit[n], []).append(n)
-    succs: dict[tuple, set] = {u: set() for u in members}
-    for n in graph.nodes:
-        for a in n.all_input_nodes:
-            if unit[a] != unit[n]:
-                succs[unit[a]].add(unit[n])
-    return members, succs
-
-
-def stable_toposort(graph: fx.Graph, *, together: dict[fx.Node, int] | None = None) -> None:
-    """Reorder so that every node follows its inputs, otherwise keeping the current order as
-    closely as possible (among ready units, the earliest goes first). Nodes that `together`
-    maps to one group form one unit: emitted consecutively, in their current order, once all
-    their outside inputs are (the group must be convex)."""
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    members, succs = unit_graph(graph, together or {})
-    missing = dict.fromkeys(members, 0)
-    for targets in succs.values():
-        for u in targets:
-            missing[u] += 1
-    first = {u: pos[m[0]] for u, m in members.items()}
-    ready = [(first[u], u) for u in members if missing[u] == 0]
-    heapq.heapify(ready)
-    order: list[fx.Node] = []
-    while ready:
-        _, u = heapq.heappop(ready)
-        order += members[u]
-        for s in succs[u]:
-            missing[s] -= 1
-            if missing[s] == 0:
-                heapq.heappush(ready, (first[s], s))
-    assert len(order) == len(nodes), "graph has a cycle (or a group that is not convex)"
-    if order == nodes:
-        return
-    output = order[-1]
-    assert output.op == "output"
-    for n in order[:-1]:
-        output.prepend(n)
-
-
-def emit(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *,
-         like: fx.Node | None = None) -> fx.Node:
-    """Insert a call of `target` (at the graph's current insertion point) with meta['val']
-    computed by running it on the argument nodes' fake values, and provenance from `like`."""
-    from torch._guards import detect_fake_mode
-
-    vals = fx.node.map_arg(args, lambda a: a.meta["val"])
-    flat = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
-    mode = detect_fake_mode(flat)
-    assert mode is not None, "passes run on traced graphs whose values are fake tensors"
-    with mode:
-        val = target(*vals, **(kwargs or {}))
-    n = graph.call_function(target, args, kwargs)
-    n.meta["val"] = val
-    if like is not None and "custom" in like.meta:
-        n.meta["custom"] = dict(like.meta["custom"])
-    return n

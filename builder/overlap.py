@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from titan.builder.collectives import ALL_GATHER, Collective, collectives, move_after, positions
+from titan.builder.collectives import ALL_GATHER, Collective, collectives
+from titan.builder.fx_graph import move_after, positions
 from titan.builder.passes import PassContext
 
 

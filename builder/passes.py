@@ -1,8 +1,9 @@
-"""Graph passes: each `name_pass(gm, *, ctx) -> gm` does one job, is chosen by name from
-PASSES (`titan-build --passes`), and is recorded in the artifact's pass list (and so in the
-cache key). Passes run on the forward and on the backward graph, after partitioning.
+"""The registry of graph passes: each `name_pass(gm, *, ctx) -> gm` does one job, is chosen by
+name from PASSES (`titan-build --passes`), and is recorded in the artifact's pass list (and so
+in the cache key). Passes run on the forward and on the backward graph, after partitioning.
 
-This module imports torch only inside the passes: the registry is read on the cache-hit path.
+This module is only the registry and the passes' shared context; it imports no torch (the
+registry is read on the cache-hit path). The passes themselves live in their own modules.
 """
 
 from __future__ import annotations
@@ -29,46 +30,7 @@ class PassContext:
     """Bucket records the passes add (the rank's bucket plan)."""
 
 
-def mask_index_put_to_where_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
-    """index_put(x, [bool_mask], scalar) -> where(mask, scalar, x).
-
-    The vocab-parallel embedding masks out-of-shard ids this way. A boolean-mask index_put
-    runs nonzero() first, a device-to-host sync that a CUDA graph cannot capture; where() is
-    the same selection with no sync, and writes the same bits.
-    """
-    import torch
-
-    aten = torch.ops.aten
-    for node in list(gm.graph.nodes):
-        if node.target is not aten.index_put.default:
-            continue
-        x, indices, values = node.args[:3]
-        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-        if accumulate or len(indices) != 1 or indices[0] is None:
-            continue
-        mask = indices[0]
-        mask_val, x_val, v_val = mask.meta["val"], x.meta["val"], values.meta["val"]
-        if mask_val.dtype != torch.bool or v_val.dim() != 0 or v_val.dtype != x_val.dtype:
-            continue
-        if tuple(mask_val.shape) != tuple(x_val.shape[:mask_val.dim()]):
-            continue
-        with gm.graph.inserting_before(node):
-            cond = mask
-            extra = x_val.dim() - mask_val.dim()
-            if extra:
-                shape = list(mask_val.shape) + [1] * extra
-                cond = gm.graph.call_function(aten.view.default, (mask, shape))
-                cond.meta = dict(mask.meta, val=mask_val.view(shape))
-            where = gm.graph.call_function(aten.where.self, (cond, values, x))
-            where.meta = dict(node.meta)
-        node.replace_all_uses_with(where)
-        gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class GraphPass:
     target: str
     """'module:function' of the pass (imported when the pass runs)."""
@@ -87,40 +49,37 @@ class GraphPass:
 
 PASSES: dict[str, GraphPass] = {
     "mask_index_put_to_where": GraphPass(
-        "titan.builder.passes:mask_index_put_to_where_pass", True,
+        target="titan.builder.embedding_mask:mask_index_put_to_where_pass", preserves_numerics=True,
+        summary=
         "boolean-mask index_put -> where: same bits, no host sync (lets CUDA graphs capture the "
         "vocab-parallel embedding)"),
     "bucket_all_gather": GraphPass(
-        "titan.builder.bucketing:bucket_all_gather_pass", True,
-        "one FSDP all-gather per transformer block on a flat buffer (copies only: same bits)",
+        target="titan.builder.bucketing:bucket_all_gather_pass", preserves_numerics=True,
+        summary="one FSDP all-gather per transformer block on a flat buffer (copies only: same bits)",
         needs=("dp_shard",)),
     "bucket_reduce_scatter": GraphPass(
-        "titan.builder.bucketing:bucket_reduce_scatter_pass", True,
-        "one FSDP gradient reduce-scatter per transformer block on a flat buffer (each element "
+        target="titan.builder.bucketing:bucket_reduce_scatter_pass", preserves_numerics=True,
+        summary="one FSDP gradient reduce-scatter per transformer block on a flat buffer (each element "
         "summed over the same ranks)", needs=("dp_shard",)),
     "overlap_collectives": GraphPass(
-        "titan.builder.overlap:overlap_collectives_pass", True,
-        "reorder only: issue collectives early (FSDP all-gathers one block ahead), wait late "
+        target="titan.builder.overlap:overlap_collectives_pass", preserves_numerics=True,
+        summary="reorder only: issue collectives early (FSDP all-gathers one block ahead), wait late "
         "(reduce-scatters behind the next block's backward)"),
     "fuse_exact": GraphPass(
-        "titan.builder.regions:fuse_exact_pass", True,
-        "inductor-lite codegen: chains of element-wise ops measured bit-exact become kernels that "
+        target="titan.builder.regions:fuse_exact_pass", preserves_numerics=True,
+        summary="inductor-lite codegen: chains of element-wise ops measured bit-exact become kernels that "
         "titan-run generates on its GPU; reductions and all else stay on eager kernels (CPU runs "
         "keep eager kernels throughout)"),
     "fuse_regions": GraphPass(
-        "titan.builder.regions:fuse_regions_pass", False,
-        "titan-build --fuse regions: RMSNorm, RoPE, SwiGLU and the loss become kernels that titan-run "
+        target="titan.builder.regions:fuse_regions_pass", preserves_numerics=False,
+        summary="titan-build --fuse regions: RMSNorm, RoPE, SwiGLU and the loss become kernels that titan-run "
         "generates on its device (last-bit differences from eager)"),
     "fuse_blocks": GraphPass(
-        "titan.builder.regions:fuse_blocks_pass", False,
-        "titan-build --fuse (blocks): like fuse_regions, but a region spans all element-wise and "
+        target="titan.builder.regions:fuse_blocks_pass", preserves_numerics=False,
+        summary="titan-build --fuse (blocks): like fuse_regions, but a region spans all element-wise and "
         "reduction work between a block's matmuls, attention and collectives (residual adds join the "
         "norms after them)"),
 }
-
-
-# Activation checkpointing policies (titan-build --ac; applied by builder/checkpointing.py).
-AC_POLICIES = ("none", "full", "selective")
 
 
 def default_passes(mesh_sizes: dict[str, int]) -> tuple[str, ...]:

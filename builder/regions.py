@@ -27,7 +27,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from titan.builder.collectives import STARTS, WAIT, block_of, module_path, stable_toposort, unit_graph
+from titan.builder.collectives import STARTS, WAIT, block_of
+from titan.builder.fx_graph import module_path, stable_toposort, unit_graph
 from titan.builder.passes import PassContext
 
 aten = torch.ops.aten

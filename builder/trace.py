@@ -49,7 +49,7 @@ class RankJob:
     dtype: str = "float32"
     """Compute dtype."""
     ac: str = "none"
-    """Activation checkpointing policy (passes.AC_POLICIES)."""
+    """Activation checkpointing policy (checkpointing.AC_POLICIES)."""
     passes: tuple[str, ...] = ()
     """Graph passes applied to both graphs after partitioning, by name (see passes.PASSES)."""
 
