@@ -86,9 +86,8 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from titan.cli.tools.eager import materialize_shards
-    from titan.builder.layout import Layout
-    from titan.builder.models.llama3 import Llama3, init_specs
-    from titan.builder.models.llama3_config import FLAVORS
+    from titan.runtime.layout import Layout
+    from titan.builder.models import model_spec
     from titan.builder.parallelize import parallelize
     from titan.runtime.data import SyntheticTokens
     from titan.runtime.init import full_param
@@ -102,11 +101,12 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     else:
         dist.init_process_group("gloo")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    cfg = FLAVORS[flavor]
+    llama3 = model_spec("llama3")
+    cfg = llama3.flavors[flavor]
     layout = Layout(**LAYOUTS[layout_name])
-    specs = init_specs(cfg)
+    specs = llama3.init_specs(cfg)
     with torch.device("meta"):
-        model = Llama3(cfg)
+        model = llama3.build(cfg)
     model.loss_scale = float(batch * seq_len * layout.dp_degree)
     autocast = False
     if layout.dp_shard > 1 and layout.tp == 1:
@@ -125,9 +125,8 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         # Tensor parallel as users run it: DTensor parameters from the TP plan, bf16 autocast.
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from titan.builder.parallelize import _tp_plan
         mesh = init_device_mesh(device.type, (layout.tp,), mesh_dim_names=("tp",))
-        parallelize_module(model, mesh, _tp_plan(model))
+        parallelize_module(model, mesh, llama3.tp_plan(model))
         model.to_empty(device=device)
         with torch.no_grad():
             for fqn, p in model.named_parameters():
@@ -138,12 +137,11 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         dp_rank = 0
         autocast = True
     else:
-        mesh = init_device_mesh(device.type, tuple(s for _, s in layout.mesh_shape()),
-                                mesh_dim_names=tuple(n for n, _ in layout.mesh_shape()))
+        mesh = layout.build_mesh(device.type)
         coords = layout.coordinates(rank)
-        shards = parallelize(model, layout, mesh, coords, compute_dtype=torch.bfloat16)
-        materialize_shards(model, shards, seed=0, device=device)
-        dp_rank = coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
+        shards = parallelize(model, layout, mesh, coords, tp_plan=llama3.tp_plan, compute_dtype=torch.bfloat16)
+        materialize_shards(model, shards, specs, seed=0, device=device)
+        dp_rank = layout.dp_rank(coords)
     if mode.startswith("compile"):
         import torch._dynamo
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -273,7 +271,7 @@ def main() -> None:
     if opts.worker:
         worker(opts.worker, opts.flavor, opts.layout[0], opts.batch_size, opts.seq_len, opts.steps, opts.json)
         return
-    from titan.builder.models.llama3_config import FLAVORS
+    from titan.builder.models.llama3.config import FLAVORS
     cfg = FLAVORS[opts.flavor]
     fpt = flops_per_token(cfg, opts.seq_len)
     measured = matmul_tflops()

@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from titan.builder.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, Collective, block_of, collectives
+from titan.builder.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, Collective, collectives
 from titan.builder.fx_graph import emit, hoist_ancestors, module_path, positions, stable_toposort
 from titan.builder.passes import PassContext
 
@@ -50,12 +50,12 @@ def _output_param(node: fx.Node, ctx: PassContext) -> str | None:
     return ctx.output_names[outs.index(node)] if node in outs and outs.index(node) < len(ctx.output_names) else None
 
 
-def _buckets(members: list[Collective]) -> list[list[Collective]]:
+def _buckets(members: list[Collective], ctx: PassContext) -> list[list[Collective]]:
     """Group by (block, group, dtype[, reduce op]), in order of first appearance."""
     by_key: dict[tuple, list[Collective]] = defaultdict(list)
     for c in members:
         x = c.start.args[0].meta["val"]
-        by_key[(block_of(module_path(c.start)), c.group, x.dtype, c.start.args[1])].append(c)
+        by_key[(ctx.model.block_of(module_path(c.start)), c.group, x.dtype, c.start.args[1])].append(c)
     return list(by_key.values())
 
 
@@ -70,7 +70,7 @@ def _record(ctx: PassContext, kind: str, bucket: list[Collective], names: list[s
     first = bucket[0].start
     ctx.plan.append({
         "graph": ctx.graph, "kind": kind, "group": ctx.mesh_dims[bucket[0].group],
-        "block": block_of(module_path(first)), "params": [p or module_path(c.start) for p, c in zip(names, bucket)],
+        "block": ctx.model.block_of(module_path(first)), "params": [p or module_path(c.start) for p, c in zip(names, bucket)],
         "elements": n, "dtype": str(dtype).removeprefix("torch."),
         "bytes": n * world * torch.empty((), dtype=dtype).element_size(),
     })
@@ -92,7 +92,7 @@ def _finish(gm: fx.GraphModule) -> fx.GraphModule:
 
 def bucket_all_gather_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    for bucket in _buckets(_fsdp(ctx, ALL_GATHER, graph)):
+    for bucket in _buckets(_fsdp(ctx, ALL_GATHER, graph), ctx):
         first = bucket[0].start
         world, group = first.args[1], first.args[2]
         shards = [c.start.args[0] for c in bucket]
@@ -126,7 +126,7 @@ def bucket_all_gather_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphM
 
 def bucket_reduce_scatter_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    for bucket in _buckets(_fsdp(ctx, REDUCE_SCATTER, graph)):
+    for bucket in _buckets(_fsdp(ctx, REDUCE_SCATTER, graph), ctx):
         last = bucket[-1].start
         op, world, group = last.args[1], last.args[2], last.args[3]
         grads = [c.start.args[0] for c in bucket]

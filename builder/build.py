@@ -20,13 +20,13 @@ from typing import Callable
 from titan.builder import rank_progress
 from titan.builder.cache import Cache
 from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
-from titan.builder.layout import Layout, check_layout
-from titan.builder.models.llama3_config import DEFAULT_FLAVOR, FLAVORS, LlamaConfig
 from titan.builder.checkpointing import AC_POLICIES
+from titan.builder.models import model_spec
+from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes import check_passes, default_passes
 from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
+from titan.runtime.layout import Layout
 
-MODELS = {"llama3": FLAVORS}
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}
 PARTITIONERS = ("min_cut", "default")
@@ -36,7 +36,7 @@ PARTITIONERS = ("min_cut", "default")
 @dataclass(kw_only=True, frozen=True)
 class BuildSpec:
     model: str
-    """Model family (key of MODELS)."""
+    """Model family (builder/models registry)."""
     flavor: str
     """Size within the family."""
     layout: Layout
@@ -59,12 +59,16 @@ class BuildSpec:
         return (f"partition:{self.partitioner}", *self.graph_passes)
 
     @property
-    def cfg(self) -> LlamaConfig:
-        return MODELS[self.model][self.flavor]
+    def model_spec(self) -> ModelSpec:
+        return model_spec(self.model)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model_spec.flavors[self.flavor]
 
     @property
     def name(self) -> str:
-        flavor = "" if self.flavor == DEFAULT_FLAVOR else f"-{self.flavor}"
+        flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
         return f"{self.model}{flavor}-{self.layout.tag()}"
 
 
@@ -76,16 +80,14 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
               fuse: str | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it."""
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; available: {', '.join(MODELS)}")
-    flavor = flavor or DEFAULT_FLAVOR
-    if flavor not in MODELS[model]:
-        raise ValueError(f"unknown flavor {flavor!r} for {model}; available: {', '.join(MODELS[model])}")
+    family = model_spec(model)
+    flavor = flavor or family.default_flavor
+    if flavor not in family.flavors:
+        raise ValueError(f"unknown flavor {flavor!r} for {model}; available: {', '.join(family.flavors)}")
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
-    cfg = MODELS[model][flavor]
-    check_layout(cfg, layout)
+    family.check_layout(family.flavors[flavor], layout)
     default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
     batch_size = batch_size or default_b
     seq_len = seq_len or default_s
@@ -137,10 +139,7 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
     with cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
                                 max_tasks_per_child=1, initializer=rank_progress.attach,
                                 initargs=(stages,)) as pool:
-        pending = {pool.submit(trace_rank, RankJob(cfg=spec.cfg, layout=spec.layout, rank=r,
-                                                   batch_size=spec.batch_size, seq_len=spec.seq_len,
-                                                   partitioner=spec.partitioner, dtype=spec.dtype, ac=spec.ac,
-                                                   passes=spec.graph_passes))
+        pending = {pool.submit(trace_rank, RankJob(build=spec, rank=r))
                    for r in ranks}
         while pending:
             finished, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
@@ -170,7 +169,7 @@ def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
         "model": spec.model,
         "flavor": spec.flavor,
         "model_config": spec.cfg.as_dict(),
-        "layout": {"dp_replicate": spec.layout.dp_replicate, "dp_shard": spec.layout.dp_shard, "tp": spec.layout.tp},
+        "layout": spec.layout.as_dict(),
         "mesh": [list(d) for d in spec.layout.mesh_shape()],
         "world_size": spec.layout.world_size,
         "batch_size": spec.batch_size,
@@ -181,6 +180,9 @@ def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
         "torch_version": installed_torch_version(),
         "builder_version": factors["builder version"],
         "passes": list(spec.passes),
+        # What the runtime needs of the model to read and write its Hugging Face checkpoints.
+        "hf_checkpoint": (spec.model_spec.hf_checkpoint(spec.cfg, list(spec.model_spec.init_specs(spec.cfg)))
+                          if spec.model_spec.hf_checkpoint else None),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -14,7 +14,7 @@ Recomputation runs the same ops on the same inputs, so results are unchanged.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -58,8 +58,9 @@ def _expensive(n: fx.Node, expensive_ops: set) -> bool:
     return n.target in expensive_ops
 
 
-def tag_activation_checkpointing(joint: fx.GraphModule, policy: str) -> int:
-    """Tag the joint graph for `policy`; returns the number of nodes marked for recompute."""
+def tag_activation_checkpointing(joint: fx.GraphModule, policy: str, *, ac_block: Callable[[str], int | None]) -> int:
+    """Tag the joint graph for `policy`; returns the number of nodes marked for recompute.
+    `ac_block(module)` is the block a module belongs to, recomputed as one unit (the model spec's)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     from titan.builder.fx_graph import module_path
@@ -73,11 +74,11 @@ def tag_activation_checkpointing(joint: fx.GraphModule, policy: str) -> int:
     for n in joint.graph.nodes:
         if n.op != "call_function" or n in backward:
             continue
-        parts = module_path(n).split(".")
-        if parts[0] != "layers" or len(parts) < 2:
+        block = ac_block(module_path(n))
+        if block is None:
             continue
         save = policy == "selective" and _expensive(n, expensive_ops)
         n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
-        n.meta["ac_graph_id"] = int(parts[1])
+        n.meta["ac_graph_id"] = block
         tagged += not save
     return tagged

@@ -45,9 +45,3 @@ def collectives(graph: fx.Graph) -> list[Collective]:
             assert len(waits) == 1 and len(n.users) == 1, f"{n} should have exactly one user, its wait"
             out.append(Collective(n, waits[0]))
     return out
-
-
-def block_of(module: str) -> str:
-    """'layers.3.attention.wq' -> 'layers.3'; 'output' -> 'output'."""
-    parts = module.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]

@@ -1,42 +1,13 @@
-"""The parallel layout of a build: mesh dimensions, their sizes, and validation against a model."""
+"""Whether a parallel layout (runtime/layout.py) fits a Llama-shaped model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from titan.builder.models.llama3_config import LlamaConfig
+from titan.runtime.layout import MESH_DIMS, Layout
 
-from titan.runtime.validate import MESH_DIMS, rank_coordinates  # outermost first, as torchtitan orders them
-
-
-@dataclass(kw_only=True, frozen=True)
-class Layout:
-    dp_replicate: int = 1
-    """Plain data-parallel replicas (with dp_shard > 1: HSDP)."""
-    dp_shard: int = 1
-    """FSDP degree: parameters sharded on dim 0, all-gathered in forward."""
-    tp: int = 1
-    """Tensor-parallel degree (with sequence parallel)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
-
-    @property
-    def dp_degree(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
-        """The mesh dimensions of size > 1, outermost first."""
-        return tuple((name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1)
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's coordinate along each mesh dimension (row-major, tp innermost)."""
-        return rank_coordinates(rank, {name: getattr(self, name) for name in MESH_DIMS})
-
-    def tag(self) -> str:
-        parts = [f"{name.replace('_', '-')}{size}" for name, size in self.mesh_shape()]
-        return "-".join(parts) or "single"
+if TYPE_CHECKING:
+    from titan.builder.models.llama3.config import LlamaConfig
 
 
 def check_layout(cfg: LlamaConfig, layout: Layout) -> None:

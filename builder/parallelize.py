@@ -1,4 +1,4 @@
-"""Apply a Layout to a Llama3 module: tensor parallelism (with sequence parallel) and
+"""Apply a Layout to a model: tensor parallelism (with sequence parallel) and
 SimpleFSDP-style data parallelism.
 
 Every parameter leaf ends up as a plain local tensor: this rank's shard. A class-level
@@ -13,21 +13,15 @@ its parameter: nothing is owed after the graph. The eager reference runs this sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
 
-from titan.builder.layout import Layout
-from titan.builder.models.llama3 import Llama3
+from titan.runtime.layout import DP_DIMS, Layout
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -44,41 +38,6 @@ class ParamShard:
     """Per mesh dimension: 'R' (replicated) or 'S(d)' (sharded on tensor dim d)."""
     slices: tuple[tuple[int, int, int], ...]
     """(dim, parts, index) applied in order to the global tensor to cut this shard."""
-
-
-def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
-    dims = layout.mesh_shape()
-    if not dims:
-        return None
-    return init_device_mesh(device_type, tuple(s for _, s in dims),
-                            mesh_dim_names=tuple(n for n, _ in dims))
-
-
-def _tp_plan(model: Llama3) -> dict:
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
-                                  use_local_output=True),
-    }
-    for name in model.layers:
-        p = f"layers.{name}."
-        plan.update({
-            p + "attention_norm": SequenceParallel(),
-            p + "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-            p + "attention.wq": ColwiseParallel(),
-            p + "attention.wk": ColwiseParallel(),
-            p + "attention.wv": ColwiseParallel(),
-            p + "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            p + "ffn_norm": SequenceParallel(),
-            p + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                   desired_input_layouts=(Replicate(),)),
-            p + "feed_forward.w1": ColwiseParallel(),
-            p + "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            p + "feed_forward.w3": ColwiseParallel(),
-        })
-    return plan
 
 
 def _placement_str(p) -> str:
@@ -133,22 +92,23 @@ def _install_access(module: nn.Module, name: str, access: _ShardedParamAccess) -
     setattr(cls, name, property(lambda self, _n=name: self.__class__._titan_accessors[_n](self._parameters[_n])))
 
 
-def parallelize(model: Llama3, layout: Layout, mesh: DeviceMesh | None, coords: dict[str, int], *,
-                compute_dtype: torch.dtype = torch.float32) -> list[ParamShard]:
+def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coords: dict[str, int], *,
+                tp_plan: Callable[[nn.Module], dict], compute_dtype: torch.dtype = torch.float32) -> list[ParamShard]:
     """Shard `model` in place for this rank; return where each local shard sits. Parameters
-    stay fp32 (master weights); modules compute in `compute_dtype`.
+    stay fp32 (master weights); modules compute in `compute_dtype`. `tp_plan(model)` is the
+    model's tensor-parallel plan (its spec's).
 
     Works on a meta model (for tracing) and on a real one (for the eager reference).
     """
     names = mesh.mesh_dim_names if mesh is not None else ()
     tp_mesh = mesh["tp"] if "tp" in names else None
-    dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+    dp_names = tuple(n for n in DP_DIMS if n in names)
     dp_mesh = mesh[dp_names] if dp_names else None
     if mesh is None and compute_dtype == torch.float32:
         return [ParamShard(fqn=fqn, global_shape=tuple(p.shape), local_shape=tuple(p.shape),
                            placements={}, slices=()) for fqn, p in model.named_parameters()]
     if tp_mesh is not None:
-        parallelize_module(model, tp_mesh, _tp_plan(model))
+        parallelize_module(model, tp_mesh, tp_plan(model))
 
     shards = []
     for mod_name, module in list(model.named_modules()):

@@ -15,11 +15,15 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch.fx as fx
 
+    from titan.builder.models.spec import ModelSpec
+
 
 @dataclass(kw_only=True, slots=True)
 class PassContext:
     graph: str
     """'forward' or 'backward'."""
+    model: ModelSpec
+    """The model's spec (its block naming and fusion region kinds)."""
     mesh_dims: dict[str, str]
     """Process-group name -> mesh dimension ('tp', 'dp_shard', 'dp_replicate')."""
     input_names: list[str | None]
@@ -37,9 +41,14 @@ class GraphPass:
     preserves_numerics: bool
     """False for passes whose results may differ from eager (opt-in, labeled)."""
     summary: str
-    """One line for --list-passes."""
+    """What it does, for --list-passes (prose: line breaks read as spaces; see `line`)."""
     needs: tuple[str, ...] = ()
     """Mesh dimensions the layout must have (size > 1) for the pass to apply."""
+
+    @property
+    def line(self) -> str:
+        """The summary on one line."""
+        return " ".join(self.summary.split())
 
     @property
     def fn(self) -> Callable[..., fx.GraphModule]:
@@ -50,35 +59,34 @@ class GraphPass:
 PASSES: dict[str, GraphPass] = {
     "mask_index_put_to_where": GraphPass(
         target="titan.builder.embedding_mask:mask_index_put_to_where_pass", preserves_numerics=True,
-        summary=
-        "boolean-mask index_put -> where: same bits, no host sync (lets CUDA graphs capture the "
-        "vocab-parallel embedding)"),
+        summary="""boolean-mask index_put -> where: same bits, no host sync (lets CUDA graphs
+        capture the vocab-parallel embedding)"""),
     "bucket_all_gather": GraphPass(
         target="titan.builder.bucketing:bucket_all_gather_pass", preserves_numerics=True,
-        summary="one FSDP all-gather per transformer block on a flat buffer (copies only: same bits)",
-        needs=("dp_shard",)),
+        summary="""one FSDP all-gather per transformer block on a flat buffer (copies only: same
+        bits)""", needs=("dp_shard",)),
     "bucket_reduce_scatter": GraphPass(
         target="titan.builder.bucketing:bucket_reduce_scatter_pass", preserves_numerics=True,
-        summary="one FSDP gradient reduce-scatter per transformer block on a flat buffer (each element "
-        "summed over the same ranks)", needs=("dp_shard",)),
+        summary="""one FSDP gradient reduce-scatter per transformer block on a flat buffer (each
+        element summed over the same ranks)""", needs=("dp_shard",)),
     "overlap_collectives": GraphPass(
         target="titan.builder.overlap:overlap_collectives_pass", preserves_numerics=True,
-        summary="reorder only: issue collectives early (FSDP all-gathers one block ahead), wait late "
-        "(reduce-scatters behind the next block's backward)"),
+        summary="""reorder only: issue collectives early (FSDP all-gathers one block ahead),
+        wait late (reduce-scatters behind the next block's backward)"""),
     "fuse_exact": GraphPass(
         target="titan.builder.regions:fuse_exact_pass", preserves_numerics=True,
-        summary="inductor-lite codegen: chains of element-wise ops measured bit-exact become kernels that "
-        "titan-run generates on its GPU; reductions and all else stay on eager kernels (CPU runs "
-        "keep eager kernels throughout)"),
+        summary="""inductor-lite codegen: chains of element-wise ops measured bit-exact become
+        kernels that titan-run generates on its GPU; reductions and all else stay on
+        eager kernels (CPU runs keep eager kernels throughout)"""),
     "fuse_regions": GraphPass(
         target="titan.builder.regions:fuse_regions_pass", preserves_numerics=False,
-        summary="titan-build --fuse regions: RMSNorm, RoPE, SwiGLU and the loss become kernels that titan-run "
-        "generates on its device (last-bit differences from eager)"),
+        summary="""titan-build --fuse regions: RMSNorm, RoPE, SwiGLU and the loss become kernels
+        that titan-run generates on its device (last-bit differences from eager)"""),
     "fuse_blocks": GraphPass(
         target="titan.builder.regions:fuse_blocks_pass", preserves_numerics=False,
-        summary="titan-build --fuse (blocks): like fuse_regions, but a region spans all element-wise and "
-        "reduction work between a block's matmuls, attention and collectives (residual adds join the "
-        "norms after them)"),
+        summary="""titan-build --fuse (blocks): like fuse_regions, but a region spans all
+        element-wise and reduction work between a block's matmuls, attention and
+        collectives (residual adds join the norms after them)"""),
 }
 
 

@@ -27,7 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from titan.builder.collectives import STARTS, WAIT, block_of
+from titan.builder.collectives import STARTS, WAIT
 from titan.builder.fx_graph import module_path, stable_toposort, unit_graph
 from titan.builder.passes import PassContext
 
@@ -84,20 +84,6 @@ def _plain_cast(n: fx.Node) -> bool:
             continue
         return False
     return True
-
-
-def region_kind(module: str) -> str | None:
-    """The region kind of a node produced by `module`, or None (not fused)."""
-    parts = module.split(".") if module else []
-    if not parts:
-        return "loss"  # the RoPE tables, the loss and its gradient: no module of their own
-    if parts[-1] in ("attention_norm", "ffn_norm", "norm"):
-        return "rms_norm"
-    if len(parts) == 3 and parts[0] == "layers" and parts[2] == "attention":
-        return "rope"
-    if len(parts) == 3 and parts[0] == "layers" and parts[2] == "feed_forward":
-        return "swiglu"
-    return None
 
 
 def _fusable(n: fx.Node, tagged: dict[fx.Node, str]) -> bool:
@@ -225,10 +211,11 @@ def _without_cycles(graph: fx.Graph, regions: list[list[fx.Node]], pos: dict[fx.
 
 
 def fuse_regions_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
-    """One region per RMSNorm, RoPE, SwiGLU and loss module instance."""
+    """One region per module instance of a kind the model names (Llama: RMSNorm, RoPE, SwiGLU
+    and the loss)."""
     key: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
-        kind = region_kind(module_path(n)) if _fusable(n, key) else None
+        kind = ctx.model.region_kind(module_path(n)) if _fusable(n, key) else None
         if kind is not None:
             key[n] = f"{kind}@{module_path(n)}"
     return _tag_regions(gm, key)
@@ -241,7 +228,7 @@ def fuse_blocks_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     key: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
         if _fusable(n, key):
-            key[n] = f"block@{block_of(module_path(n))}"
+            key[n] = f"block@{ctx.model.block_of(module_path(n))}"
     return _tag_regions(gm, key)
 
 

@@ -20,38 +20,23 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from titan.builder.build import BuildSpec
 from titan.builder.checkpointing import tag_activation_checkpointing
 from titan.builder.graph_writer import encode_graph
-from titan.builder.layout import Layout
-from titan.builder.models.llama3 import Llama3, init_specs
-from titan.builder.models.llama3_config import LlamaConfig
-from titan.builder.parallelize import build_mesh, parallelize
+from titan.builder.parallelize import parallelize
 from titan.builder.passes import PASSES, PassContext
 from titan.builder.rank_progress import report
+from titan.runtime.layout import mesh_dims_by_group
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
 
 @dataclass(kw_only=True, frozen=True)
 class RankJob:
-    cfg: LlamaConfig
-    """Model shape."""
-    layout: Layout
-    """Parallel layout."""
+    build: BuildSpec
+    """What is built: model, layout, batch shape, partitioner, dtype, AC policy, passes."""
     rank: int
     """Rank to trace."""
-    batch_size: int
-    """Per data-parallel rank batch (sequences)."""
-    seq_len: int
-    """Tokens per sequence."""
-    partitioner: str = "min_cut"
-    """Forward/backward partitioner name (see PARTITION_FNS)."""
-    dtype: str = "float32"
-    """Compute dtype."""
-    ac: str = "none"
-    """Activation checkpointing policy (checkpointing.AC_POLICIES)."""
-    passes: tuple[str, ...] = ()
-    """Graph passes applied to both graphs after partitioning, by name (see passes.PASSES)."""
 
 
 @dataclass(kw_only=True)
@@ -115,30 +100,27 @@ def module_provenance(model: torch.nn.Module):
             h.remove()
 
 
-def _group_names(mesh) -> dict[str, str]:
-    if mesh is None:
-        return {}
-    return {mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}
-
-
 def trace_rank(job: RankJob) -> RankResult:
-    layout, rank = job.layout, job.rank
+    build, rank = job.build, job.rank
+    layout = build.layout
     report(rank, "tracing")
     t0 = time.perf_counter()
     if layout.world_size > 1:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
-        mesh = build_mesh(layout, "cpu")
+        mesh = layout.build_mesh("cpu")
         coords = layout.coordinates(rank)
+        family = build.model_spec
         with torch.device("meta"):
-            model = Llama3(job.cfg)
-        model.loss_scale = float(job.batch_size * job.seq_len * layout.dp_degree)
-        shards = parallelize(model, layout, mesh, coords, compute_dtype=getattr(torch, job.dtype))
+            model = family.build(build.cfg)
+        model.loss_scale = float(build.batch_size * build.seq_len * layout.dp_degree)
+        shards = parallelize(model, layout, mesh, coords, tp_plan=family.tp_plan,
+                             compute_dtype=getattr(torch, build.dtype))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             model.to_empty(device="cpu")
-            tokens = torch.empty(job.batch_size, job.seq_len, dtype=torch.long)
-            labels = torch.empty(job.batch_size, job.seq_len, dtype=torch.long)
+            tokens = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
+            labels = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
         with contextlib.ExitStack() as stack:
             stack.enter_context(module_provenance(model))
             joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels))
@@ -149,21 +131,23 @@ def trace_rank(job: RankJob) -> RankResult:
             joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
             # The partitioners rewrite the joint graph in place: give them a copy.
             joint_copy = copy_graph_module(gm)
-            tag_activation_checkpointing(joint_copy, job.ac)
-            fw, bw = PARTITION_FNS[job.partitioner](joint_copy, None, num_fwd_outputs=1)
+            tag_activation_checkpointing(joint_copy, build.ac, ac_block=family.ac_block)
+            fw, bw = PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=1)
             t_partition = time.perf_counter()
-            groups = _group_names(mesh)
+            groups = mesh_dims_by_group(mesh)
             param_names = [inp.get("fqn") for inp in joint_inputs if inp["kind"] != "tangent"]
-            fw_ctx = PassContext(graph="forward", mesh_dims=groups, input_names=param_names, output_names=[])
-            bw_ctx = PassContext(graph="backward", mesh_dims=groups, input_names=[], output_names=param_names)
-            for name in job.passes:
+            fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=param_names,
+                                 output_names=[])
+            bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[],
+                                 output_names=param_names)
+            for name in build.graph_passes:
                 fw, bw = PASSES[name].fn(fw, ctx=fw_ctx), PASSES[name].fn(bw, ctx=bw_ctx)
             t_passes = time.perf_counter()
         # Encode after the export context (and its fake mode) has closed: constants are real.
         report(rank, "writing")
         fw_blob = encode_graph(fw, group_names=groups)
         bw_blob = encode_graph(bw, group_names=groups)
-        meta = _rank_meta(job, coords, shards, joint_inputs, fw, bw)
+        meta = _rank_meta(job, family.init_specs(build.cfg), coords, shards, joint_inputs, fw, bw)
         meta["bucket_plan"] = fw_ctx.plan + bw_ctx.plan
         t_end = time.perf_counter()
     finally:
@@ -180,9 +164,8 @@ def _nbytes(val) -> int:
     return 0
 
 
-def _rank_meta(job: RankJob, coords: dict, shards, joint_inputs: list[dict],
+def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint_inputs: list[dict],
                fw: fx.GraphModule, bw: fx.GraphModule) -> dict:
-    specs = init_specs(job.cfg)
     by_fqn = {s.fqn: s for s in shards}
     fw_inputs = [inp for inp in joint_inputs if inp["kind"] != "tangent"]
     n_fw_in = sum(1 for n in fw.graph.nodes if n.op == "placeholder")

@@ -50,7 +50,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
             label = "numerics-preserving" if p.preserves_numerics else "CHANGES NUMERICS (opt-in)"
             default = ", default" if name in defaults else ""
             needs = f", needs {' and '.join('--' + d.replace('_', '-') + ' > 1' for d in p.needs)}" if p.needs else ""
-            click.echo(f"{name} [{label}{default}{needs}]: {p.summary}")
+            click.echo(f"{name} [{label}{default}{needs}]: {p.line}")
         return
     from titan.builder.build import build, make_spec, nearest_entry
     from titan.builder.cache import Cache

@@ -1,4 +1,5 @@
-"""Process-group setup for one rank: environment (torchrun style), device, backend, mesh."""
+"""Process-group setup for one rank: environment (torchrun style), device, backend (the mesh:
+runtime/layout.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from titan.runtime.layout import DP_DIMS
 
 
 @dataclass(frozen=True)
@@ -67,28 +70,12 @@ def init_process_group(env: RankEnv, device: torch.device, *, timeout_s: float =
         dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
-def build_mesh(mesh_shape: list[tuple[str, int]], device: torch.device):
-    """The artifact's mesh on the real process group, or None for a single rank."""
-    if not mesh_shape:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device.type, tuple(s for _, s in mesh_shape),
-                            mesh_dim_names=tuple(n for n, _ in mesh_shape))
-
-
-def group_names(mesh) -> dict[str, str]:
-    """Mesh-dimension name -> this process's process-group name."""
-    if mesh is None:
-        return {}
-    return {name: mesh.get_group(name).group_name for name in mesh.mesh_dim_names}
-
-
 def dp_sum(value: torch.Tensor, mesh) -> torch.Tensor:
     """Sum a per-rank scalar over the data-parallel mesh dimensions (for reporting)."""
     out = value.detach().clone()
     if mesh is None:
         return out
-    for name in ("dp_replicate", "dp_shard"):
+    for name in DP_DIMS:
         if name in mesh.mesh_dim_names:
             dist.all_reduce(out, group=mesh.get_group(name))
     return out

@@ -1,13 +1,19 @@
-"""Hugging Face Llama checkpoints: read this rank's shards straight from safetensors, and the
-name / layout mapping that titan-export uses to write them back.
+"""Hugging Face checkpoints: read this rank's shards straight from safetensors (--init-from-hf),
+and write a titan checkpoint back in Hugging Face's layout (titan-export).
+
+What this needs of the model (each parameter's HF tensor name, which rows are permuted, the
+config.json values that describe the same model) comes from the artifact's manifest, the
+`hf_checkpoint` record the model's spec wrote at build time (builder/models/<model>/): the
+runtime never imports model code.
 
 Only JSON (config.json, model.safetensors.index.json) and safetensors headers and slices are
 read: no pickle. Each parameter's shard is a box of the global tensor (runtime/init.py
 `shard_box`), read with `safe_open(...).get_slice`, so a rank reads only what it holds.
 
-Hugging Face stores q_proj / k_proj rows permuted for its rotate-half RoPE: within each head,
-HF row j * (head_dim / 2) + i holds what titan's interleaved-pair layout keeps in row 2 i + j.
-Loading undoes that permutation, exporting redoes it.
+Hugging Face stores Llama's q_proj / k_proj rows permuted for its rotate-half RoPE (the record's
+`rope_permuted`: parameter -> head size): within each head, HF row j * (head_dim / 2) + i holds
+what titan's interleaved-pair layout keeps in row 2 i + j. Loading undoes that permutation,
+exporting redoes it.
 """
 
 from __future__ import annotations
@@ -23,40 +29,23 @@ from titan.runtime.init import shard_box
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-FFN_PARAM = "layers.0.feed_forward.w1.weight"
-"""Its global shape gives the SwiGLU width (the runtime does not import the model config code)."""
+RECORD = "hf_checkpoint"
+"""The manifest (and checkpoint description) field that holds the model's Hugging Face record."""
 
 
-def hf_name(fqn: str, *, tied: bool = False) -> str:
-    """The Hugging Face tensor that holds titan parameter `fqn`."""
-    if fqn == "tok_embeddings.weight" or (fqn == "output.weight" and tied):
-        return "model.embed_tokens.weight"
-    if fqn == "output.weight":
-        return "lm_head.weight"
-    if fqn == "norm.weight":
-        return "model.norm.weight"
-    parts = fqn.split(".")
-    assert parts[0] == "layers" and len(parts) >= 4, fqn
-    block, rest = parts[1], ".".join(parts[2:])
-    return f"model.layers.{block}.{_BLOCK_NAMES[rest]}"
-
-
-_BLOCK_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-
-
-def rope_permuted(fqn: str) -> bool:
-    """q and k rows are stored in HF's rotate-half order."""
-    return fqn.endswith(("attention.wq.weight", "attention.wk.weight"))
+def hf_record(source: dict, where: str) -> dict:
+    """The model's Hugging Face record from a manifest or checkpoint description, checked."""
+    record = source.get(RECORD)
+    if record is None:
+        raise ValueError(f"{where}: this model has no Hugging Face counterpart in titan (or the artifact predates "
+                         "it); rebuild the artifact with titan-build")
+    names, permuted = record.get("names") if isinstance(record, dict) else None, record.get("rope_permuted")
+    if (not isinstance(names, dict) or not isinstance(record.get("config"), dict)
+            or not isinstance(record.get("tied_names"), dict) or not isinstance(permuted, dict)
+            or not all(isinstance(v, int) and v > 1 and v % 2 == 0 for v in permuted.values())
+            or not isinstance(record.get("model_type"), str)):
+        raise ValueError(f"{where}: malformed {RECORD} record; rebuild the artifact with titan-build")
+    return record
 
 
 def titan_rows_from_hf(head_dim: int) -> torch.Tensor:
@@ -69,15 +58,15 @@ def hf_rows_from_titan(head_dim: int) -> torch.Tensor:
     return torch.argsort(titan_rows_from_hf(head_dim))
 
 
-def to_hf_layout(fqn: str, full: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A full titan parameter in HF's row order (export)."""
-    if not rope_permuted(fqn):
+def to_hf_layout(full: torch.Tensor, head_dim: int | None) -> torch.Tensor:
+    """A full titan parameter in HF's row order (export); `head_dim` None: no permutation."""
+    if head_dim is None:
         return full
     rows = full.unflatten(0, (-1, head_dim))[:, hf_rows_from_titan(head_dim)]
     return rows.flatten(0, 1).contiguous()
 
 
-def check_hf_config(hf_dir: Path, model_config: dict, ffn_hidden: int) -> dict:
+def check_hf_config(hf_dir: Path, record: dict) -> dict:
     """Read config.json and check it describes the artifact's model; returns it."""
     path = hf_dir / CONFIG
     if not path.is_file():
@@ -90,9 +79,10 @@ def check_hf_config(hf_dir: Path, model_config: dict, ffn_hidden: int) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"--init-from-hf {path} is not a JSON object; re-download or re-save the model")
     where = f"--init-from-hf {path}"
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not 'llama'; titan's llama3 model "
-                         "loads Llama checkpoints only")
+    model_type = record["model_type"]
+    if cfg.get("model_type", model_type) != model_type:
+        raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not {model_type!r}; this artifact's model "
+                         f"loads {model_type} checkpoints only")
     # transformers < 5 writes rope_theta and rope_scaling; >= 5 writes rope_parameters (theta and type).
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
@@ -100,35 +90,22 @@ def check_hf_config(hf_dir: Path, model_config: dict, ffn_hidden: int) -> dict:
                          "the model")
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type not in (None, "default"):
-        raise ValueError(f"{where}: RoPE scaling {rope_type!r} is not implemented by titan's llama3 model (plain "
+        raise ValueError(f"{where}: RoPE scaling {rope_type!r} is not implemented by titan's models (plain "
                          "RoPE only); use a checkpoint without rope_scaling (e.g. Llama 3 8B, not 3.1)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ValueError(f"{where}: {flag} is true but titan's llama3 model has no biases; use a Llama "
-                             "checkpoint without them")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r}; titan's llama3 model uses silu")
-    expected = {
-        "hidden_size": model_config["dim"],
-        "num_hidden_layers": model_config["n_layers"],
-        "num_attention_heads": model_config["n_heads"],
-        "num_key_value_heads": model_config["n_kv_heads"],
-        "vocab_size": model_config["vocab_size"],
-        "intermediate_size": ffn_hidden,
-        "rms_norm_eps": model_config["norm_eps"],
-        "rope_theta": model_config["rope_theta"],
-        "head_dim": model_config["dim"] // model_config["n_heads"],
-    }
+    expected = record["config"]
     # Hugging Face's defaults for fields a config may leave out (or null).
     given = {k: v for k, v in cfg.items() if v is not None}
     given.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
-    given.setdefault("head_dim", expected["head_dim"])
+    given.setdefault("head_dim", expected.get("head_dim"))
+    given.setdefault("hidden_act", "silu")
+    for flag in ("attention_bias", "mlp_bias"):
+        given[flag] = bool(given.get(flag, False))
     if "rope_theta" not in given and "rope_theta" in rope:
         given["rope_theta"] = rope["rope_theta"]
     wrong = []
     for key, want in expected.items():
         if key not in given:
-            raise ValueError(f"{where} lacks {key!r}; it is not a complete Llama config")
+            raise ValueError(f"{where} lacks {key!r}; it is not a complete {model_type} config")
         if given[key] != want:
             wrong.append(f"{key} {given[key]!r} (artifact: {want!r})")
     if wrong:
@@ -140,13 +117,16 @@ def check_hf_config(hf_dir: Path, model_config: dict, ffn_hidden: int) -> dict:
 class HFCheckpoint:
     """A Hugging Face model directory, opened for slice reads."""
 
-    def __init__(self, hf_dir: str | Path, *, model_config: dict, ffn_hidden: int):
+    def __init__(self, hf_dir: str | Path, *, record: dict):
+        """`record`: the artifact's hf_checkpoint record (hf_record)."""
         self.root = Path(hf_dir)
         if not self.root.is_dir():
             raise ValueError(f"--init-from-hf {self.root}: no such directory")
-        self.config = check_hf_config(self.root, model_config, ffn_hidden)
-        self.tied = bool(self.config.get("tie_word_embeddings", False))
-        self.head_dim = model_config["dim"] // model_config["n_heads"]
+        self.config = check_hf_config(self.root, record)
+        self.names = dict(record["names"])
+        if self.config.get("tie_word_embeddings", False):
+            self.names.update(record["tied_names"])
+        self.rope_permuted = record["rope_permuted"]
         self.files = self._weight_map()
         self._open: dict[str, object] = {}
 
@@ -183,7 +163,7 @@ class HFCheckpoint:
         path = self.files.get(name)
         if path is None:
             raise ValueError(f"--init-from-hf {self.root} has no tensor {name}; the checkpoint is incomplete or "
-                             "not a Llama model")
+                             "not the artifact's model")
         key = str(path)
         if key not in self._open:
             self._open[key] = self._safe_open(path).__enter__()
@@ -191,7 +171,10 @@ class HFCheckpoint:
 
     def check_shape(self, param: dict) -> str:
         """The HF name of `param`, after checking that its tensor has the parameter's global shape."""
-        name = hf_name(param["fqn"], tied=self.tied)
+        name = self.names.get(param["fqn"])
+        if name is None:
+            raise ValueError(f"--init-from-hf: the artifact's hf_checkpoint record names no tensor for {param['fqn']}; "
+                             "rebuild the artifact with titan-build")
         shape = list(self._slice(name).get_shape())
         if shape != list(param["global_shape"]):
             raise ValueError(f"--init-from-hf {self.root}: {name} has shape {shape} but the artifact's "
@@ -205,10 +188,10 @@ class HFCheckpoint:
         offsets, sizes = shard_box(param["slices"], param["global_shape"])
         box = [slice(o, o + s) for o, s in zip(offsets, sizes)]
         dtype = getattr(torch, param.get("dtype", "float32"))
-        if not rope_permuted(param["fqn"]):
+        hd = self.rope_permuted.get(param["fqn"])
+        if hd is None:
             return self._slice(name)[tuple(box)].to(device=device, dtype=dtype).contiguous()
         # Rows of a head are permuted: read the whole heads that the box's rows touch, then pick.
-        hd = self.head_dim
         first, stop = offsets[0], offsets[0] + sizes[0]
         head0, head1 = first // hd, -(-stop // hd)
         block = self._slice(name)[(slice(head0 * hd, head1 * hd), *box[1:])]
@@ -224,35 +207,30 @@ class HFCheckpoint:
 
 def hf_config_for(description: dict, *, dtype: str) -> dict:
     """config.json for an exported checkpoint: the source model's config when the run started
-    from one (--init-from-hf), with the shapes and dtype set from the checkpoint."""
-    mc = description["model_config"]
-    shapes = description["params"]
+    from one (--init-from-hf), with the model's values (its hf_checkpoint record) and dtype set."""
+    record = hf_record(description, "titan-export")
     cfg = dict(description.get("hf_config") or {})
+    cfg.update(record["config"])
     cfg.update({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": mc["dim"], "num_hidden_layers": mc["n_layers"], "num_attention_heads": mc["n_heads"],
-        "num_key_value_heads": mc["n_kv_heads"], "head_dim": mc["dim"] // mc["n_heads"],
-        "vocab_size": mc["vocab_size"], "intermediate_size": shapes[FFN_PARAM][0],
-        "rms_norm_eps": mc["norm_eps"], "attention_bias": False, "mlp_bias": False,
+        "architectures": record.get("architectures", []), "model_type": record["model_type"],
         # titan trains the output projection separately from the embedding.
         "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype,
     })
     cfg.setdefault("max_position_embeddings", max(8192, description.get("seq_len", 0)))
     if "rope_parameters" in cfg:  # transformers >= 5 keeps rope_theta here
-        cfg["rope_parameters"] = dict(cfg["rope_parameters"], rope_theta=mc["rope_theta"])
-    else:
-        cfg["rope_theta"] = mc["rope_theta"]
+        cfg["rope_parameters"] = dict(cfg["rope_parameters"], rope_theta=cfg.pop("rope_theta"))
     return cfg
 
 
 def export_hf(out: Path, description: dict, tensors: dict[str, torch.Tensor], *, dtype: str) -> None:
-    """Write `tensors` (full titan parameters by fqn) as a Hugging Face Llama directory at `out`
+    """Write `tensors` (full titan parameters by fqn) as a Hugging Face model directory at `out`
     (config.json + model.safetensors), put in place by one rename."""
     from safetensors.torch import save_file
 
-    head_dim = description["model_config"]["dim"] // description["model_config"]["n_heads"]
+    record = hf_record(description, "titan-export")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = {hf_name(fqn): to_hf_layout(fqn, t, head_dim).to(torch_dtype).contiguous() for fqn, t in tensors.items()}
+    hf = {record["names"][fqn]: to_hf_layout(t, record["rope_permuted"].get(fqn)).to(torch_dtype).contiguous()
+          for fqn, t in tensors.items()}
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

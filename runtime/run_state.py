@@ -14,16 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan.runtime import checkpoint
-from titan.runtime.hf_weights import FFN_PARAM, HFCheckpoint
+from titan.runtime.hf_weights import RECORD, HFCheckpoint, hf_record
 from titan.runtime.init import materialize
 
 if TYPE_CHECKING:
     from titan.runtime.optim import AdamW
     from titan.runtime.train import RunConfig
-
-
-def _ffn_hidden(params: list[dict]) -> int:
-    return next(p["global_shape"][0] for p in params if p["fqn"] == FFN_PARAM)
 
 
 class RunState:
@@ -59,8 +55,8 @@ class RunState:
         elif cfg.checkpoint_dir is not None:
             checkpoint.check_fresh(cfg.checkpoint_dir)
         if cfg.init_from_hf is not None:
-            self.hf = HFCheckpoint(cfg.init_from_hf, model_config=manifest["model_config"],
-                                   ffn_hidden=_ffn_hidden(params))
+            record = hf_record(manifest, f"--init-from-hf {cfg.init_from_hf}")
+            self.hf = HFCheckpoint(cfg.init_from_hf, record=record)
             for p in params:
                 self.hf.check_shape(p)
 
@@ -95,7 +91,8 @@ class RunState:
         return {"model": m.get("model"), "flavor": m.get("flavor"), "model_config": m["model_config"],
                 "layout": m["layout"], "world_size": m["world_size"], "dtype": m.get("dtype"),
                 "batch_size": m["batch_size"], "seq_len": m["seq_len"], "seed": cfg.seed, "data": cfg.data,
-                "lr": cfg.lr, "torch_version": m["torch_version"], "hf_config": hf_config}
+                "lr": cfg.lr, "torch_version": m["torch_version"], "hf_config": hf_config,
+                RECORD: m.get(RECORD)}
 
     def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW) -> None:
         """Checkpoint every --checkpoint-every steps and at the last step (collective)."""

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.data import SyntheticTokens, TokenFile
 from titan.runtime.fusion import compile_program_regions
-from titan.runtime.distributed import (RankEnv, build_mesh, dp_sum, group_names, init_process_group, pick_device,
-                                       shutdown)
+from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
 from titan.runtime.graph_format import load_graph
 from titan.runtime.init import materialize
+from titan.runtime.layout import Layout, group_names
 from titan.runtime.optim import AdamW
 from titan.runtime.step_log import StepLog
 from titan.runtime.validate import check_rank
@@ -77,14 +77,14 @@ def make_optimizer(params: list[torch.Tensor], lr: float, device: torch.device |
 
 
 def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
-    layout = manifest["layout"]
-    dp_rank = coords.get("dp_replicate", 0) * layout["dp_shard"] + coords.get("dp_shard", 0)
+    layout = Layout.from_dict(manifest["layout"])
+    dp_rank = layout.dp_rank(coords)
     common = dict(vocab_size=manifest["model_config"]["vocab_size"], batch_size=manifest["batch_size"],
                   seq_len=manifest["seq_len"])
     if cfg.data is None:
         return SyntheticTokens(seed=cfg.seed, dp_rank=dp_rank, **common)
     return TokenFile(cfg.data, dtype=cfg.data_dtype, dp_rank=dp_rank,
-                     dp_degree=layout["dp_replicate"] * layout["dp_shard"], **common)
+                     dp_degree=layout.dp_degree, **common)
 
 
 class GraphProgram:
@@ -177,7 +177,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
             print("note: expandable_segments turned off for this run (it breaks CUDA graphs that capture "
                   "NCCL collectives); --no-cuda-graphs keeps it", flush=True)
     init_process_group(env, device, timeout_s=cfg.timeout_s)
-    mesh = build_mesh(artifact.mesh, device)
+    layout = Layout.from_dict(artifact.manifest["layout"])
+    mesh = layout.build_mesh(device.type)
     # Initial state (seed / --init-from-hf / --resume) and checkpoints: runtime/run_state.py.
     from titan.runtime.run_state import RunState
     run_state = RunState(cfg, artifact.manifest, artifact.rank_meta(env.rank)["params"], device=device)
@@ -191,7 +192,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         run_state.after_step(start, program.params, optimizer)
     data = make_data(artifact.manifest, cfg, program.coords)
     m = artifact.manifest
-    tokens_per_step = m["batch_size"] * m["seq_len"] * m["layout"]["dp_replicate"] * m["layout"]["dp_shard"]
+    tokens_per_step = m["batch_size"] * m["seq_len"] * layout.dp_degree
 
     def after_step(s: int) -> None:
         run_state.after_step(s, program.params, optimizer)

@@ -9,13 +9,13 @@ import re
 from typing import TYPE_CHECKING
 
 from titan.runtime.graph_doc import MAX_ELEMENTS
+from titan.runtime.layout import MESH_DIMS, Layout
 
 if TYPE_CHECKING:
     import torch.fx as fx
 
 _REL_PATH = re.compile(r"(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 INIT_KINDS = ("normal", "trunc_normal", "ones", "zeros")
 
 
@@ -135,15 +135,6 @@ def _outputs(gm: fx.GraphModule) -> tuple:
     return next(n for n in gm.graph.nodes if n.op == "output").args[0]
 
 
-def rank_coordinates(rank: int, layout: dict) -> dict[str, int]:
-    """A rank's coordinate on each mesh dimension (row-major, tp innermost)."""
-    coords = {}
-    for name in reversed(MESH_DIMS):
-        coords[name] = rank % layout[name]
-        rank //= layout[name]
-    return {name: coords[name] for name in MESH_DIMS}
-
-
 def check_rank(meta: dict, forward: fx.GraphModule, backward: fx.GraphModule, where: str, *,
                rank: int, layout: dict, graph_hashes: dict[str, str]) -> None:
     """The rank metadata is well formed, belongs to this rank, and describes these two graphs
@@ -153,7 +144,7 @@ def check_rank(meta: dict, forward: fx.GraphModule, backward: fx.GraphModule, wh
             # A rank's graphs bake in its coordinates: running another rank's graphs trains wrong.
             _fail(where, f"the manifest gives this rank a {kind} graph that is not the one traced for it "
                          "(a rank must never run another rank's graph)")
-    if meta.get("coords") != rank_coordinates(rank, layout):
+    if meta.get("coords") != Layout.from_dict(layout).coordinates(rank):
         _fail(where, f"coordinates {meta.get('coords')!r} are not rank {rank}'s place in the mesh")
     inputs = meta.get("forward_inputs")
     if not isinstance(inputs, list):

@@ -16,6 +16,7 @@ from titan.builder.bucketing import bucket_all_gather_pass, bucket_reduce_scatte
 from titan.builder.checkpointing import tag_activation_checkpointing
 from titan.builder.embedding_mask import mask_index_put_to_where_pass
 from titan.builder.overlap import overlap_collectives_pass
+from titan.builder.models import model_spec
 from titan.builder.passes import PassContext
 from titan.builder.regions import fuse_blocks_pass, fuse_exact_pass, fuse_regions_pass
 
@@ -23,6 +24,13 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 MESH_DIMS = {"dp": "dp_shard", "tp": "tp"}
 """Process-group name -> mesh dimension, as the tracer gives it to the passes."""
+LLAMA3 = model_spec("llama3")
+"""The graphs name their modules as Llama 3's (blocks are 'layers.N')."""
+
+
+def context(graph: str = "forward", *, input_names=(), output_names=()) -> PassContext:
+    return PassContext(graph=graph, model=LLAMA3, mesh_dims=MESH_DIMS, input_names=list(input_names),
+                       output_names=list(output_names))
 
 
 class HandGraph:
@@ -79,7 +87,7 @@ def _names(gm: fx.GraphModule) -> dict[fx.Node, str]:
     return names
 
 
-def listing(gm: fx.GraphModule) -> list[str]:
+def listing(gm: fx.GraphModule) -> str:
     """One line per computing node, in graph order: 'name = op(args)'."""
     names = _names(gm)
 
@@ -88,9 +96,14 @@ def listing(gm: fx.GraphModule) -> list[str]:
             return "[" + ", ".join(arg(x) for x in a) + "]"
         return names[a] if isinstance(a, fx.Node) else repr(a)
 
-    return [f"{names[n]} = {_op(n)}({', '.join(arg(a) for a in n.args)}"
-            + "".join(f", {k}={arg(v)}" for k, v in n.kwargs.items()) + ")"
-            for n in gm.graph.nodes if n.op == "call_function"]
+    return "\n".join(f"{names[n]} = {_op(n)}({', '.join(arg(a) for a in n.args)}"
+                     + "".join(f", {k}={arg(v)}" for k, v in n.kwargs.items()) + ")"
+                     for n in gm.graph.nodes if n.op == "call_function")
+
+
+def expected(text: str) -> str:
+    """A listing as a test writes it out: one node a line; '#' lines are comments."""
+    return "\n".join(line.strip() for line in text.strip().splitlines() if not line.strip().startswith("#"))
 
 
 def output_names(gm: fx.GraphModule) -> list[str]:
@@ -114,40 +127,40 @@ def _fsdp_forward() -> tuple[fx.GraphModule, PassContext]:
           module="layers.0.attention_norm")
     wq1 = g.collective(c10d.all_gather_into_tensor.default, w2, 2, "dp", module="layers.1.attention.wq")
     out = g(aten.mm.default, z, wq1, module="layers.1.attention.wq")
-    ctx = PassContext(graph="forward", mesh_dims=MESH_DIMS, input_names=["p0", "p1", "p2", None], output_names=[])
+    ctx = context(input_names=["p0", "p1", "p2", None])
     return g.finish(out), ctx
 
 
 def test_bucket_all_gather_merges_a_blocks_fsdp_gathers_into_one_on_a_flat_buffer():
     gm, ctx = _fsdp_forward()
     gm = bucket_all_gather_pass(gm, ctx=ctx)
-    assert listing(gm) == [
+    assert listing(gm) == expected("""
         # Block layers.0: both shards flattened into one buffer, gathered once...
-        "view = view(w0, [-1])",
-        "view_1 = view(w1, [-1])",
-        "cat = cat([view, view_1])",
-        "all_gather_into_tensor = all_gather_into_tensor(cat, 2, 'dp')",
-        "wait_tensor = wait_tensor(all_gather_into_tensor)",
+        view = view(w0, [-1])
+        view_1 = view(w1, [-1])
+        cat = cat([view, view_1])
+        all_gather_into_tensor = all_gather_into_tensor(cat, 2, 'dp')
+        wait_tensor = wait_tensor(all_gather_into_tensor)
         # ...then each parameter's columns (32 and 2 elements per rank) copied out and viewed whole.
-        "view_2 = view(wait_tensor, [2, 34])",
-        "slice = slice.Tensor(view_2, 1, 0, 32)",
-        "clone = clone(slice, memory_format=torch.contiguous_format)",
-        "view_3 = view(clone, [8, 8])",
-        "slice_1 = slice.Tensor(view_2, 1, 32, 34)",
-        "clone_1 = clone(slice_1, memory_format=torch.contiguous_format)",
-        "view_4 = view(clone_1, [4])",
+        view_2 = view(wait_tensor, [2, 34])
+        slice = slice.Tensor(view_2, 1, 0, 32)
+        clone = clone(slice, memory_format=torch.contiguous_format)
+        view_3 = view(clone, [8, 8])
+        slice_1 = slice.Tensor(view_2, 1, 32, 34)
+        clone_1 = clone(slice_1, memory_format=torch.contiguous_format)
+        view_4 = view(clone_1, [4])
         # The tensor-parallel gather is not FSDP's: untouched.
-        "all_gather_into_tensor_1 = all_gather_into_tensor(x, 2, 'tp')",
-        "wait_tensor_1 = wait_tensor(all_gather_into_tensor_1)",
-        "t = t(view_3)",
-        "mm = mm(wait_tensor_1, t)",
-        "sum = sum(view_4)",
-        "mul = mul.Tensor(mm, sum)",
+        all_gather_into_tensor_1 = all_gather_into_tensor(x, 2, 'tp')
+        wait_tensor_1 = wait_tensor(all_gather_into_tensor_1)
+        t = t(view_3)
+        mm = mm(wait_tensor_1, t)
+        sum = sum(view_4)
+        mul = mul.Tensor(mm, sum)
         # Block layers.1 has one parameter: nothing to merge.
-        "all_gather_into_tensor_2 = all_gather_into_tensor(w2, 2, 'dp')",
-        "wait_tensor_2 = wait_tensor(all_gather_into_tensor_2)",
-        "mm_1 = mm(mul, wait_tensor_2)",
-    ]
+        all_gather_into_tensor_2 = all_gather_into_tensor(w2, 2, 'dp')
+        wait_tensor_2 = wait_tensor(all_gather_into_tensor_2)
+        mm_1 = mm(mul, wait_tensor_2)
+        """)
     assert ctx.plan == [
         {"graph": "forward", "kind": "all_gather", "group": "dp_shard", "block": "layers.0", "params": ["p0", "p1"],
          "elements": 34, "dtype": "float32", "bytes": 2 * 34 * 4},
@@ -164,30 +177,34 @@ def test_bucket_reduce_scatter_merges_a_blocks_gradient_reductions_into_one():
     out0 = g.collective(c10d.reduce_scatter_tensor.default, grad0, "sum", 2, "dp", module="layers.0.attention.wq")
     out1 = g.collective(c10d.reduce_scatter_tensor.default, grad1, "sum", 2, "dp", module="layers.0.attention_norm")
     gm = g.finish(out0, out1)
-    ctx = PassContext(graph="backward", mesh_dims=MESH_DIMS, input_names=[], output_names=["p0", "p1"])
+    ctx = context("backward", output_names=["p0", "p1"])
     gm = bucket_reduce_scatter_pass(gm, ctx=ctx)
-    assert listing(gm) == [
-        "mul = mul.Tensor(a, 2.0)",
-        "mul_1 = mul.Tensor(b, 3.0)",
+    assert listing(gm) == expected("""
+        mul = mul.Tensor(a, 2.0)
+        mul_1 = mul.Tensor(b, 3.0)
         # Each gradient as (ranks, elements per rank), side by side: rank r's columns are
         # contiguous, so one reduce-scatter gives each rank its slice of every gradient.
-        "view = view(mul, [2, 32])",
-        "view_1 = view(mul_1, [2, 2])",
-        "cat = cat([view, view_1], 1)",
-        "view_2 = view(cat, [68])",
-        "reduce_scatter_tensor = reduce_scatter_tensor(view_2, 'sum', 2, 'dp')",
-        "wait_tensor = wait_tensor(reduce_scatter_tensor)",
-        "slice = slice.Tensor(wait_tensor, 0, 0, 32)",
-        "view_3 = view(slice, [4, 8])",
-        "slice_1 = slice.Tensor(wait_tensor, 0, 32, 34)",
-        "view_4 = view(slice_1, [2])",
-    ]
+        view = view(mul, [2, 32])
+        view_1 = view(mul_1, [2, 2])
+        cat = cat([view, view_1], 1)
+        view_2 = view(cat, [68])
+        reduce_scatter_tensor = reduce_scatter_tensor(view_2, 'sum', 2, 'dp')
+        wait_tensor = wait_tensor(reduce_scatter_tensor)
+        slice = slice.Tensor(wait_tensor, 0, 0, 32)
+        view_3 = view(slice, [4, 8])
+        slice_1 = slice.Tensor(wait_tensor, 0, 32, 34)
+        view_4 = view(slice_1, [2])
+        """)
     assert output_names(gm) == ["view_3", "view_4"]
     assert [(b["kind"], b["block"], b["params"], b["elements"]) for b in ctx.plan] == [
         ("reduce_scatter", "layers.0", ["p0", "p1"], 34)]
 
 
 # -- Overlap ------------------------------------------------------------------------------------
+
+
+def overlapped(gm: fx.GraphModule, graph: str = "forward") -> str:
+    return listing(overlap_collectives_pass(gm, ctx=context(graph)))
 
 
 def test_overlap_issues_a_collective_before_independent_compute_and_waits_at_first_use():
@@ -197,19 +214,16 @@ def test_overlap_issues_a_collective_before_independent_compute_and_waits_at_fir
     partial = g(aten.mm.default, dy, w)                                # does
     scattered = g.collective(c10d.reduce_scatter_tensor.default, partial, "sum", 2, "tp", module="layers.0")
     scaled = g(aten.mul.Tensor, weight_grad, 0.5)
-    gm = g.finish(g(aten.add.Tensor, scattered, 1.0), scaled)
-    gm = overlap_collectives_pass(gm, ctx=PassContext(graph="backward", mesh_dims=MESH_DIMS, input_names=[],
-                                                      output_names=[]))
-    assert listing(gm) == [
-        "mm = mm(dy, w)",
-        "reduce_scatter_tensor = reduce_scatter_tensor(mm, 'sum', 2, 'tp')",
+    assert overlapped(g.finish(g(aten.add.Tensor, scattered, 1.0), scaled), "backward") == expected("""
+        mm = mm(dy, w)
+        reduce_scatter_tensor = reduce_scatter_tensor(mm, 'sum', 2, 'tp')
         # The weight-gradient matmul and everything else independent runs under the collective.
-        "t = t(dy)",
-        "mm_1 = mm(t, x)",
-        "mul = mul.Tensor(mm_1, 0.5)",
-        "wait_tensor = wait_tensor(reduce_scatter_tensor)",
-        "add = add.Tensor(wait_tensor, 1.0)",
-    ]
+        t = t(dy)
+        mm_1 = mm(t, x)
+        mul = mul.Tensor(mm_1, 0.5)
+        wait_tensor = wait_tensor(reduce_scatter_tensor)
+        add = add.Tensor(wait_tensor, 1.0)
+        """)
 
 
 def test_overlap_gathers_fsdp_parameters_one_block_ahead():
@@ -218,19 +232,16 @@ def test_overlap_gathers_fsdp_parameters_one_block_ahead():
     full0 = g.collective(c10d.all_gather_into_tensor.default, w0, 2, "dp", module="layers.0")
     h = g(aten.relu.default, g(aten.mm.default, x, full0))
     full1 = g.collective(c10d.all_gather_into_tensor.default, w1, 2, "dp", module="layers.1")
-    gm = g.finish(g(aten.mm.default, h, full1))
-    gm = overlap_collectives_pass(gm, ctx=PassContext(graph="forward", mesh_dims=MESH_DIMS, input_names=[],
-                                                      output_names=[]))
-    assert listing(gm) == [
-        "all_gather_into_tensor = all_gather_into_tensor(w0, 2, 'dp')",
-        "wait_tensor = wait_tensor(all_gather_into_tensor)",
+    assert overlapped(g.finish(g(aten.mm.default, h, full1))) == expected("""
+        all_gather_into_tensor = all_gather_into_tensor(w0, 2, 'dp')
+        wait_tensor = wait_tensor(all_gather_into_tensor)
         # Block 1's gather is issued as soon as block 0's has arrived, while block 0 computes.
-        "all_gather_into_tensor_1 = all_gather_into_tensor(w1, 2, 'dp')",
-        "mm = mm(x, wait_tensor)",
-        "relu = relu(mm)",
-        "wait_tensor_1 = wait_tensor(all_gather_into_tensor_1)",
-        "mm_1 = mm(relu, wait_tensor_1)",
-    ]
+        all_gather_into_tensor_1 = all_gather_into_tensor(w1, 2, 'dp')
+        mm = mm(x, wait_tensor)
+        relu = relu(mm)
+        wait_tensor_1 = wait_tensor(all_gather_into_tensor_1)
+        mm_1 = mm(relu, wait_tensor_1)
+        """)
 
 
 def test_overlap_keeps_one_collective_per_group_outstanding():
@@ -238,17 +249,14 @@ def test_overlap_keeps_one_collective_per_group_outstanding():
     a, b = g.input("a", (4, 8)), g.input("b", (4, 8))
     first = g.collective(c10d.all_reduce.default, a, "sum", "tp", module="layers.0")
     second = g.collective(c10d.all_reduce.default, b, "sum", "tp", module="layers.0")
-    gm = g.finish(g(aten.add.Tensor, first, second))
-    gm = overlap_collectives_pass(gm, ctx=PassContext(graph="forward", mesh_dims=MESH_DIMS, input_names=[],
-                                                      output_names=[]))
     # The first wait could move down to the add, but not past the next all-reduce on its group.
-    assert listing(gm) == [
-        "all_reduce = all_reduce(a, 'sum', 'tp')",
-        "wait_tensor = wait_tensor(all_reduce)",
-        "all_reduce_1 = all_reduce(b, 'sum', 'tp')",
-        "wait_tensor_1 = wait_tensor(all_reduce_1)",
-        "add = add.Tensor(wait_tensor, wait_tensor_1)",
-    ]
+    assert overlapped(g.finish(g(aten.add.Tensor, first, second))) == expected("""
+        all_reduce = all_reduce(a, 'sum', 'tp')
+        wait_tensor = wait_tensor(all_reduce)
+        all_reduce_1 = all_reduce(b, 'sum', 'tp')
+        wait_tensor_1 = wait_tensor(all_reduce_1)
+        add = add.Tensor(wait_tensor, wait_tensor_1)
+        """)
 
 
 # -- The embedding mask -------------------------------------------------------------------------
@@ -259,13 +267,13 @@ def test_mask_index_put_becomes_where_and_accumulating_index_put_stays():
     x, mask, fill = g.input("x", (4, 8)), g.input("mask", (4,), torch.bool), g.input("fill", ())
     masked = g(aten.index_put.default, x, [mask], fill)
     summed = g(aten.index_put.default, x, [mask], fill, True)
-    gm = mask_index_put_to_where_pass(g.finish(masked, summed), ctx=None)
-    assert listing(gm) == [
+    gm = mask_index_put_to_where_pass(g.finish(masked, summed), ctx=context())
+    assert listing(gm) == expected("""
         # The mask broadcast over the row: no nonzero(), so no host sync.
-        "view = view(mask, [4, 1])",
-        "where = where.self(view, fill, x)",
-        "index_put = index_put(x, [mask], fill, True)",
-    ]
+        view = view(mask, [4, 1])
+        where = where.self(view, fill, x)
+        index_put = index_put(x, [mask], fill, True)
+        """)
     assert output_names(gm) == ["where", "index_put"]
 
 
@@ -287,12 +295,18 @@ def test_fuse_exact_groups_exact_elementwise_chains_into_convex_regions():
     c1 = g(aten.mul.Tensor, a2, total)                     # joining a1/a2 would make a cycle through the sum
     c2 = g(aten.add.Tensor, c1, 1.0)
     lone = g(aten.neg.default, g(aten.mm.default, c2, w))  # a single op is not worth a kernel
-    gm = fuse_exact_pass(g.finish(lone, other), ctx=None)
+    gm = fuse_exact_pass(g.finish(lone, other), ctx=context())
     assert regions(gm) == ["mul: exact#0", "add: exact#0", "mul_1: exact#1", "add_1: exact#1"]
-    assert listing(gm) == [
-        "mul = mul.Tensor(x, 2.0)", "add = add.Tensor(mul, 1.0)", "mm = mm(x, w)",
-        "sum = sum.dim_IntList(add, [-1], True)", "mul_1 = mul.Tensor(add, sum)", "add_1 = add.Tensor(mul_1, 1.0)",
-        "mm_1 = mm(add_1, w)", "neg = neg(mm_1)"]
+    assert listing(gm) == expected("""
+        mul = mul.Tensor(x, 2.0)
+        add = add.Tensor(mul, 1.0)
+        mm = mm(x, w)
+        sum = sum.dim_IntList(add, [-1], True)
+        mul_1 = mul.Tensor(add, sum)
+        add_1 = add.Tensor(mul_1, 1.0)
+        mm_1 = mm(add_1, w)
+        neg = neg(mm_1)
+        """)
 
 
 def test_fuse_exact_makes_each_region_consecutive():
@@ -301,8 +315,12 @@ def test_fuse_exact_makes_each_region_consecutive():
     a = g(aten.mul.Tensor, x, 2.0)
     m = g(aten.mm.default, x, w)          # independent of a: may move out of the way
     b = g(aten.add.Tensor, a, 1.0)
-    gm = fuse_exact_pass(g.finish(b, m), ctx=None)
-    assert listing(gm) == ["mul = mul.Tensor(x, 2.0)", "add = add.Tensor(mul, 1.0)", "mm = mm(x, w)"]
+    gm = fuse_exact_pass(g.finish(b, m), ctx=context())
+    assert listing(gm) == expected("""
+        mul = mul.Tensor(x, 2.0)
+        add = add.Tensor(mul, 1.0)
+        mm = mm(x, w)
+        """)
     assert regions(gm) == ["mul: exact#0", "add: exact#0"]
 
 
@@ -325,7 +343,7 @@ def _two_blocks() -> fx.GraphModule:
 
 
 def test_fuse_regions_makes_one_region_per_norm_and_swiglu_instance():
-    gm = fuse_regions_pass(_two_blocks(), ctx=None)
+    gm = fuse_regions_pass(_two_blocks(), ctx=context())
     # The residual add belongs to no fused module kind: it stays out.
     assert regions(gm) == ["pow: rms_norm#0", "mean: rms_norm#0", "rsqrt: rms_norm#0", "mul: rms_norm#0",
                            "silu: swiglu#1", "mul_1: swiglu#1",
@@ -333,7 +351,7 @@ def test_fuse_regions_makes_one_region_per_norm_and_swiglu_instance():
 
 
 def test_fuse_blocks_spans_module_boundaries_within_a_block():
-    gm = fuse_blocks_pass(_two_blocks(), ctx=None)
+    gm = fuse_blocks_pass(_two_blocks(), ctx=context())
     assert regions(gm) == ["pow: block#0", "mean: block#0", "rsqrt: block#0", "mul: block#0",
                            "silu: block#1", "mul_1: block#1", "add: block#1",
                            "mean_1: block#2", "rsqrt_1: block#2", "mul_2: block#2"]
@@ -362,18 +380,18 @@ def _tags(gm: fx.GraphModule) -> dict[str, tuple]:
 
 def test_full_ac_tags_every_forward_block_node_for_recompute_with_its_block():
     gm = _joint()
-    assert tag_activation_checkpointing(gm, "full") == 3
+    assert tag_activation_checkpointing(gm, "full", ac_block=LLAMA3.ac_block) == 3
     recompute = CheckpointPolicy.PREFER_RECOMPUTE
     assert _tags(gm) == {"mm": (recompute, 0), "relu": (recompute, 0), "mul": (recompute, 7)}
 
 
 def test_selective_ac_saves_matmuls_and_recomputes_the_rest():
     gm = _joint()
-    assert tag_activation_checkpointing(gm, "selective") == 2
+    assert tag_activation_checkpointing(gm, "selective", ac_block=LLAMA3.ac_block) == 2
     recompute = CheckpointPolicy.PREFER_RECOMPUTE
     assert _tags(gm) == {"mm": (CheckpointPolicy.MUST_SAVE, 0), "relu": (recompute, 0), "mul": (recompute, 7)}
 
 
 def test_no_ac_tags_nothing():
     gm = _joint()
-    assert tag_activation_checkpointing(gm, "none") == 0 and _tags(gm) == {}
+    assert tag_activation_checkpointing(gm, "none", ac_block=LLAMA3.ac_block) == 0 and _tags(gm) == {}

@@ -150,12 +150,13 @@ def test_export_round_trip_is_bit_exact(layout, source, dtype, hf_dir, debug_art
 def test_shards_that_cut_heads_read_the_right_rows(slices, hf_dir):
     """A shard may start or end inside a head (FSDP cuts dim 0 after tp): its rows are still
     the right ones of the un-permuted tensor."""
+    from titan.builder.models import model_spec
     from titan.runtime.hf_weights import HFCheckpoint, titan_rows_from_hf
     from titan.runtime.init import shard_of
 
-    model_config = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=2048, norm_eps=1e-5,
-                        rope_theta=500000.0)
-    ckpt = HFCheckpoint(hf_dir, model_config=model_config, ffn_hidden=704)
+    llama3 = model_spec("llama3")
+    cfg = llama3.flavors["debug"]
+    ckpt = HFCheckpoint(hf_dir, record=llama3.hf_checkpoint(cfg, list(llama3.init_specs(cfg))))
     full_hf = load_file(hf_dir / "model.safetensors")
     for fqn, name, rows in (("layers.1.attention.wq.weight", "model.layers.1.self_attn.q_proj.weight", 256),
                             ("layers.0.attention.wk.weight", "model.layers.0.self_attn.k_proj.weight", 128)):

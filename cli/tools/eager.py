@@ -8,18 +8,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan.builder.layout import Layout
-from titan.builder.models.llama3 import Llama3, init_specs
-from titan.builder.models.llama3_config import LlamaConfig
+from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.parallelize import ParamShard, parallelize
 from titan.runtime.init import materialize
+from titan.runtime.layout import Layout
 
 
-def materialize_shards(model: nn.Module, shards: list[ParamShard], *, seed: int, device: torch.device) -> None:
-    """Replace each (meta) parameter shard of a parallelized model with its values for `seed`,
-    drawn exactly as the runtime draws them."""
+def materialize_shards(model: nn.Module, shards: list[ParamShard], specs: dict[str, dict], *, seed: int,
+                       device: torch.device) -> None:
+    """Replace each (meta) parameter shard of a parallelized model with its values for `seed`
+    (`specs`: the model's init specs), drawn exactly as the runtime draws them."""
     by_fqn = {s.fqn: s for s in shards}
-    specs = init_specs(model.cfg)
     for mod_name, module in model.named_modules():
         for pname, param in list(module._parameters.items()):
             if param is None:
@@ -32,13 +31,14 @@ def materialize_shards(model: nn.Module, shards: list[ParamShard], *, seed: int,
 
 
 class EagerProgram:
-    def __init__(self, cfg: LlamaConfig, layout: Layout, rank: int, *, batch_size: int, seq_len: int,
-                 device: torch.device, mesh, seed: int, compute_dtype: torch.dtype = torch.float32):
+    def __init__(self, spec: ModelSpec, cfg: ModelConfig, layout: Layout, rank: int, *, batch_size: int,
+                 seq_len: int, device: torch.device, mesh, seed: int, compute_dtype: torch.dtype = torch.float32):
         with torch.device("meta"):
-            model = Llama3(cfg)
+            model = spec.build(cfg)
         model.loss_scale = float(batch_size * seq_len * layout.dp_degree)
-        shards = parallelize(model, layout, mesh, layout.coordinates(rank), compute_dtype=compute_dtype)
-        materialize_shards(model, shards, seed=seed, device=device)
+        shards = parallelize(model, layout, mesh, layout.coordinates(rank), tp_plan=spec.tp_plan,
+                             compute_dtype=compute_dtype)
+        materialize_shards(model, shards, spec.init_specs(cfg), seed=seed, device=device)
         self.model = model
         self.params = list(model.parameters())
 

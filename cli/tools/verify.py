@@ -9,20 +9,23 @@ import torch
 import torch.distributed as dist
 
 from titan.cli.tools.eager import EagerProgram
-from titan.builder.layout import Layout
-from titan.builder.models.llama3_config import FLAVORS, LlamaConfig
+from titan.builder.models import model_spec
+from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.runtime.artifact import open_artifact
-from titan.runtime.distributed import RankEnv, build_mesh, init_process_group, pick_device
+from titan.runtime.distributed import RankEnv, init_process_group, pick_device
+from titan.runtime.layout import Layout
 from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, step_function,
                                  train_loop)
 
 
-def eager_config(manifest: dict) -> LlamaConfig:
-    cfg = LlamaConfig(**manifest["model_config"])
-    if FLAVORS.get(manifest["flavor"]) != cfg:
+def eager_config(manifest: dict) -> tuple[ModelSpec, ModelConfig]:
+    """The artifact's model, as this titan's model code builds it."""
+    spec = model_spec(manifest["model"])
+    cfg = spec.config_from_dict(manifest["model_config"])
+    if spec.flavors.get(manifest["flavor"]) != cfg:
         raise ValueError(f"artifact model config does not match flavor {manifest['flavor']!r} of this titan; "
                          "rebuild the artifact with this version")
-    return cfg
+    return spec, cfg
 
 
 def verify_rank(artifact_path: str, cfg: RunConfig,
@@ -35,12 +38,12 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
         raise ValueError(f"{artifact_path} needs {art.world_size} ranks, this job has {env.world_size}")
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
     init_process_group(env, device, timeout_s=cfg.timeout_s)
-    mesh = build_mesh(art.mesh, device)
-    layout = Layout(**m["layout"])
+    layout = Layout.from_dict(m["layout"])
+    mesh = layout.build_mesh(device.type)
     tokens_per_step = m["batch_size"] * m["seq_len"] * layout.dp_degree
     kw = dict(steps=cfg.steps, device=device, mesh=mesh, tokens_per_step=tokens_per_step, log=None)
 
-    eager = EagerProgram(eager_config(m), layout, env.rank, batch_size=m["batch_size"], seq_len=m["seq_len"],
+    eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m["batch_size"], seq_len=m["seq_len"],
                          device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m["dtype"]))
     # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors).
     eager_opt = torch.optim.AdamW(eager.params, lr=cfg.lr, foreach=False, **ADAMW)
