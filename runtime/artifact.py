@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan.runtime.layout import Layout
+
 ARTIFACT_FORMAT = "titan-artifact"
 ARTIFACT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -52,8 +54,8 @@ class Artifact:
         return self.manifest["world_size"]
 
     @property
-    def mesh(self) -> list[tuple[str, int]]:
-        return [(name, size) for name, size in self.manifest["mesh"]]
+    def layout(self) -> Layout:
+        return Layout.from_dict(self.manifest["layout"])
 
     def read_verified(self, rel: str) -> bytes:
         """Read a listed file, checking its sha256 against the manifest."""

@@ -177,7 +177,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
             print("note: expandable_segments turned off for this run (it breaks CUDA graphs that capture "
                   "NCCL collectives); --no-cuda-graphs keeps it", flush=True)
     init_process_group(env, device, timeout_s=cfg.timeout_s)
-    layout = Layout.from_dict(artifact.manifest["layout"])
+    layout = artifact.layout
     mesh = layout.build_mesh(device.type)
     # Initial state (seed / --init-from-hf / --resume) and checkpoints: runtime/run_state.py.
     from titan.runtime.run_state import RunState

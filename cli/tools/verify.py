@@ -13,7 +13,6 @@ from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.runtime.artifact import open_artifact
 from titan.runtime.distributed import RankEnv, init_process_group, pick_device
-from titan.runtime.layout import Layout
 from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, step_function,
                                  train_loop)
 
@@ -38,7 +37,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
         raise ValueError(f"{artifact_path} needs {art.world_size} ranks, this job has {env.world_size}")
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
     init_process_group(env, device, timeout_s=cfg.timeout_s)
-    layout = Layout.from_dict(m["layout"])
+    layout = art.layout
     mesh = layout.build_mesh(device.type)
     tokens_per_step = m["batch_size"] * m["seq_len"] * layout.dp_degree
     kw = dict(steps=cfg.steps, device=device, mesh=mesh, tokens_per_step=tokens_per_step, log=None)
