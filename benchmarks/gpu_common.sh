@@ -12,14 +12,16 @@ elapsed() { echo $(( $(date +%s) - t_start )); }
 flags() {
   case $1 in
     tp4) echo --tp 4;; fsdp4) echo --dp-shard 4;; dp2tp2) echo --dp-shard 2 --tp 2;; dp2tp4) echo --dp-shard 2 --tp 4;;
+    tp2) echo --tp 2;; fsdp2) echo --dp-shard 2;; single) ;;
   esac
 }
 _build8b() {
   local name=$1; shift
-  titan-build --model llama3 --dtype bf16 --jobs 8 --out "artifacts/$name" "$@" > "/tmp/titan-build-$name.txt" 2>&1
+  titan-build --model llama3 ${FLAVOR:+--flavor "$FLAVOR"} --dtype bf16 --jobs 8 --out "artifacts/$name" "$@" \
+    > "/tmp/titan-build-$name.txt" 2>&1
   echo "built $name: exit $? at $(elapsed) s"
 }
-# build_layouts FUSE: in the background, the 8B artifact of each of $LAYOUTS with the default
+# build_layouts FUSE: in the background, the artifact ($FLAVOR, default 8B) of each of $LAYOUTS with the default
 # passes (artifacts/LAYOUT) and, when FUSE is 1, with --fuse (artifacts/LAYOUT-fuse); one line
 # "built NAME: exit S at T s" each in $OUT/builds.txt (logs in /tmp/titan-build-NAME.txt).
 # Sets $builds to the builder's pid.

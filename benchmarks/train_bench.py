@@ -18,9 +18,19 @@ titan:   titan-build (outside the timed run; a cache hit when built before), the
          (the default passes but fuse_exact), titan-nocg (default passes, no CUDA graphs), titan-opbyop (AdamW op by op, not one kernel);
          titan-fuse / titan-fuse-regions use the numerics-changing fusion (titan-build --fuse).
 
+Peer rows (PEER_MODES), same shapes, precision policy and data, each in its own processes:
+ref-eager / ref-compile: a plain-PyTorch Llama 3 (FSDP2 + DTensor TP, fused AdamW, per-block
+         torch.compile for ref-compile) written in benchmarks/peer_ref.py;
+tt-eager / tt-compile / tt-graph: torchtitan's trainer, its torch.compile, and its graph
+         trainer (benchmarks/peer_torchtitan.py; torchtitan from benchmarks/peer_wheels.txt);
+         tt-graph-nocg: the graph trainer without its CUDA graph pass (for torch 2.11).
+A row that cannot run says why (the last error line of its rank 0), and the table goes on.
+
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
 bf16 matmul rate measured here, time from process start to the end of the first step,
-process wall time, peak GPU memory (rank 0), and ratios to eager and to compile.
+process wall time, peak GPU memory (rank 0), and ratios to eager, to compile and to the best
+peer row of the same layout (the fastest of PEER_MODES that ran).
+BENCH_ROW_TIMEOUT=S: a row still running after S seconds is stopped and reported as timed out.
 BENCH_PROFILE=DIR: rank 0 of each row also profiles its last two steps (profile_steps.py) and
 prints where the GPU time went; those two steps are slower and drop out of the median.
 """
@@ -41,7 +51,7 @@ from pathlib import Path
 PEAK_TFLOPS = 989.0
 LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsdp2": dict(dp_shard=2),
            "dp2tp2": dict(dp_shard=2, tp=2), "tp2dp2": dict(dp_shard=2, tp=2),
-           "dp2tp4": dict(dp_shard=2, tp=4)}
+           "dp2tp4": dict(dp_shard=2, tp=4), "single": dict()}
 
 
 def _defaults_but(*dropped: str):
@@ -65,6 +75,11 @@ TITAN_VARIANTS = {
     "titan-fuse": (["--fuse"], [], False),
     "titan-fuse-regions": (["--fuse", "regions"], [], False),
 }
+
+# peer mode -> its worker script (in benchmarks/)
+PEER_MODES = {"ref-eager": "peer_ref.py", "ref-compile": "peer_ref.py",
+              "tt-eager": "peer_torchtitan.py", "tt-compile": "peer_torchtitan.py", "tt-graph": "peer_torchtitan.py",
+              "tt-graph-nocg": "peer_torchtitan.py"}
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -183,24 +198,50 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
 # --------------------------------------------------------------------------------------------
 # launcher
 
-def _spawn(cmd: list[str], world: int, env_extra: dict) -> float:
+class RowFailed(Exception):
+    """A row's processes failed or ran out of time; the message says why."""
+
+
+def _failure_reason(log: Path) -> str:
+    """The last line of a rank's output that names an error, else its last line."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    for ln in reversed(lines):
+        if ln.startswith("error:") or "Error:" in ln or "Error(" in ln or "Exception:" in ln:
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _spawn(cmd: list[str], world: int, env_extra: dict, log_prefix: Path) -> float:
+    """Run `cmd` as `world` ranks; each rank's output goes to LOG_PREFIX.rankN.log, and rank 0's
+    is echoed when the row ends."""
     t0 = time.time()
     port = 29500 + os.getpid() % 1000
-    procs = []
+    timeout = float(os.environ.get("BENCH_ROW_TIMEOUT", "0"))
+    procs, logs = [], []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BENCH_T0=str(t0), **env_extra)
-        procs.append(subprocess.Popen(cmd, env=env))
+        log = Path(f"{log_prefix}.rank{r}.log")
+        logs.append(log)
+        with log.open("w") as f:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
     # One failed rank leaves its peers waiting in a collective: stop them.
+    timed_out = False
     while any(p.poll() is None for p in procs):
-        if any(p.poll() not in (None, 0) for p in procs):
+        if timeout and time.time() - t0 > timeout:
+            timed_out = True
+        if timed_out or any(p.poll() not in (None, 0) for p in procs):
             for p in procs:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.5)
     codes = [p.wait() for p in procs]
+    print(logs[0].read_text(errors="replace"), end="", flush=True)
+    if timed_out:
+        raise RowFailed(f"timed out after {timeout:.0f} s (BENCH_ROW_TIMEOUT)")
     if any(codes):
-        raise SystemExit(f"{cmd[:4]} failed: exit codes {codes}")
+        failed = next(i for i, c in enumerate(codes) if c)
+        raise RowFailed(f"exit codes {codes}: {_failure_reason(logs[failed])}")
     return time.time() - t0
 
 
@@ -234,7 +275,9 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
             build += [f"--{k.replace('_', '-')}", str(v)]
         if opts.flavor == "debug":
             build[build.index("bf16")] = "fp32"  # CPU smoke test
-        subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
+        built = subprocess.run(build, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if built.returncode:
+            raise RowFailed(f"titan-build exit {built.returncode}: {(built.stderr.strip().splitlines() or [''])[-1][:300]}")
         metrics = tmp / f"{layout}-{mode}.jsonl"
         t0 = time.time()
         if os.environ.get("BENCH_PROFILE"):
@@ -244,14 +287,16 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
         else:
             run = [sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
                    "--metrics", str(metrics), *run_flags]
-        wall = _spawn(run, world, env)
+        wall = _spawn(run, world, env, tmp / f"{layout}-{mode}")
         recs = [json.loads(line) for line in metrics.read_text().splitlines()]
         res = {"step_times": [r["step_time_s"] for r in recs], "losses": [r["loss"] for r in recs],
                "first_step_s": recs[0]["time"] - t0, "peak_gib": recs[-1].get("peak_mem_gib", 0.0)}
     else:
-        wall = _spawn([sys.executable, __file__, "--worker", mode, "--flavor", opts.flavor, "--layout", layout,
+        worker = ([str(Path(__file__).parent / PEER_MODES[mode]), "--mode", mode] if mode in PEER_MODES
+                  else [__file__, "--worker", mode])
+        wall = _spawn([sys.executable, *worker, "--flavor", opts.flavor, "--layout", layout,
                        "--batch-size", str(opts.batch_size), "--seq-len", str(opts.seq_len),
-                       "--steps", str(opts.steps), "--json", str(result_file)], world, env)
+                       "--steps", str(opts.steps), "--json", str(result_file)], world, env, tmp / f"{layout}-{mode}")
         res = json.loads(result_file.read_text())
     res["wall_s"] = wall
     return res
@@ -272,10 +317,19 @@ def main() -> None:
         worker(opts.worker, opts.flavor, opts.layout[0], opts.batch_size, opts.seq_len, opts.steps, opts.json)
         return
     from titan.builder.models.llama3.config import FLAVORS
+    from bench_table import print_table, with_ratios
     cfg = FLAVORS[opts.flavor]
     fpt = flops_per_token(cfg, opts.seq_len)
     measured = matmul_tflops()
     rows = []
+
+    def save() -> None:  # after every row: a run cut short still leaves what it measured
+        if opts.json:
+            Path(opts.json).write_text(json.dumps({
+                "rows": [(layout, with_ratios(results, PEER_MODES)) for layout, results in rows],
+                "matmul_tflops": measured, "flavor": opts.flavor, "seq_len": opts.seq_len,
+                "batch_size": opts.batch_size, "steps": opts.steps}, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         for layout in opts.layout or ["tp4", "fsdp4"]:
             world = 1
@@ -283,13 +337,16 @@ def main() -> None:
                 world *= v
             dp = LAYOUTS[layout].get("dp_shard", 1)
             results = {}
+            rows.append((layout, results))
             for mode in opts.modes.split(","):
                 if TITAN_VARIANTS.get(mode, (None, None, False))[2] and dp < 2:
                     continue  # FSDP-only ablation row
                 try:
                     r = run_mode(mode, layout, opts, Path(tmp))
-                except (SystemExit, subprocess.CalledProcessError) as e:
+                except (RowFailed, FileNotFoundError, json.JSONDecodeError) as e:
                     print(f"{layout} {mode}: FAILED ({e})", flush=True)
+                    results[mode] = {"failed": str(e)}
+                    save()
                     continue
                 timed = r["step_times"][:-2] if os.environ.get("BENCH_PROFILE") else r["step_times"]
                 step = statistics.median(timed[2:]) if len(timed) > 2 else timed[-1]
@@ -298,23 +355,10 @@ def main() -> None:
                                      mfu_measured=tps * fpt / (measured * 1e12))
                 print(f"{layout} {mode}: {tps:,.0f} tok/s/GPU, first step {r['first_step_s']:.1f} s, "
                       f"wall {r['wall_s']:.1f} s, peak {r['peak_gib']:.1f} GiB, losses {r['losses'][:3]}", flush=True)
-            rows.append((layout, results))
+                save()
     print(f"\nbf16 matmul 8192^3 measured: {measured:.0f} TFLOP/s; model {opts.flavor}, seq {opts.seq_len}, "
           f"batch {opts.batch_size}; throughput = median step of steps 3..{opts.steps}")
-    head = (f"{'layout':<7}{'mode':<14}{'tok/s/GPU':>10}{'MFU989':>8}{'MFUmeas':>8}{'1st step s':>11}{'wall s':>8}"
-            f"{'peak GiB':>9}{'x eager':>8}{'x compile':>10}")
-    print(head)
-    for layout, results in rows:
-        base = results.get("eager", {}).get("tokens_per_s_per_gpu")
-        comp = results.get("compile-warm", results.get("compile", {})).get("tokens_per_s_per_gpu")
-        for mode, r in results.items():
-            tps = r["tokens_per_s_per_gpu"]
-            print(f"{layout:<7}{mode:<14}{tps:>10,.0f}{r['mfu']:>8.3f}{r['mfu_measured']:>8.3f}"
-                  f"{r['first_step_s']:>11.1f}{r['wall_s']:>8.1f}{r['peak_gib']:>9.1f}"
-                  f"{tps / base if base else float('nan'):>8.2f}{tps / comp if comp else float('nan'):>10.2f}")
-    if opts.json:
-        Path(opts.json).write_text(json.dumps({"rows": rows, "matmul_tflops": measured}, indent=1))
-
+    print_table([(layout, with_ratios(results, PEER_MODES)) for layout, results in rows])
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# GPU-host run, one call: titan against its peers, one table (benchmarks/README.md, "peers").
+#   one GPU (nvidia-h100-x1 or nvidia-h200), Llama-3 1B, seq 8192, batch 1, world size 1:
+#       bash benchmarks/gpu_peers.sh
+#   4 or 8 GPUs, 8B:  FLAVOR=8B LAYOUTS="fsdp4 tp4" bash benchmarks/gpu_peers.sh
+#                     FLAVOR=8B LAYOUTS=dp2tp4 bash benchmarks/gpu_peers.sh      (8 GPUs)
+# Needs the peer wheels in .whl/ (here: bash benchmarks/fetch_peer_wheels.sh; the device call
+# carries .whl). Steps:
+#  1. titan itself (editable, no dependencies) unless importable, and the pinned peer wheels
+#     (benchmarks/peer_wheels.txt, hashes checked) into /tmp/peer-site on PYTHONPATH;
+#  2. in the background, the titan artifacts of FLAVOR x LAYOUTS (default passes, and --fuse
+#     when MODES has titan-fuse) into the call's build cache: train_bench's own titan-build
+#     calls are then cache hits. The peer rows come first in MODES and run meanwhile;
+#  3. train_bench.py over MODES (each row stopped after BENCH_ROW_TIMEOUT s); raw numbers
+#     $OUT/peers.json (written after every row), full log $OUT/peers.txt; the table last.
+source "$(dirname "$0")/gpu_common.sh"
+FLAVOR=${FLAVOR:-1B}
+LAYOUTS=${LAYOUTS:-single}
+MODES=${MODES:-ref-eager,ref-compile,tt-eager,tt-compile,tt-graph,eager,titan,titan-fuse}
+STEPS=${STEPS:-12}
+export BENCH_ROW_TIMEOUT=${BENCH_ROW_TIMEOUT:-150}
+
+if ! python3 -c "import titan.cli.build" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/titan-install.txt" 2>&1
+  echo "== titan installed: exit $? [$(elapsed) s]"
+fi
+if python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --require-hashes \
+     -r benchmarks/peer_wheels.txt --target /tmp/peer-site > "$OUT/peer-install.txt" 2>&1; then
+  export PYTHONPATH=/tmp/peer-site${PYTHONPATH:+:$PYTHONPATH}
+  echo "== peer wheels installed [$(elapsed) s]"
+else
+  echo "== peer wheels NOT installed (carry .whl; see $OUT/peer-install.txt): the tt rows will say why"
+fi
+python3 - <<'EOF'
+import importlib.metadata as md, torch
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "missing"
+gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
+print(f"== torch {torch.__version__}, {gpus}, torchtitan {version('torchtitan')}")
+EOF
+# torchtitan 0.3.0's graph trainer captures with torch.cuda.graph(enable_annotations=...), a
+# keyword added after torch 2.11: where this torch lacks it, the graph trainer row runs
+# without that pass (tt-graph-nocg) and says so.
+if ! python3 -c "import inspect, sys, torch
+sys.exit('enable_annotations' not in inspect.signature(torch.cuda.graph.__init__).parameters)"; then
+  MODES=$(echo ",$MODES," | sed 's/,tt-graph,/,tt-graph-nocg,/; s/^,//; s/,$//')
+  echo "== torch.cuda.graph has no enable_annotations here: tt-graph runs as tt-graph-nocg (its cudagraph_pass off)"
+fi
+build_layouts "$(has_fuse)"
+timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/train_bench.py --flavor "$FLAVOR" \
+  $(for l in $LAYOUTS; do echo --layout "$l"; done) --steps "$STEPS" --modes "$MODES" --json "$OUT/peers.json" \
+  > "$OUT/peers.txt" 2>&1
+echo "== bench exit $? [$(elapsed) s]"
+wait $builds; cat "$OUT/builds.txt"
+grep -h "FAILED" "$OUT/peers.txt" | cut -c1-400
+if grep -q "^bf16 matmul" "$OUT/peers.txt"; then
+  sed -n '/^bf16 matmul/,$p' "$OUT/peers.txt"
+else  # the bench was stopped: the table of the rows it finished
+  python3 -c "import json, sys; sys.path.insert(0, 'benchmarks'); from bench_table import print_table
+print_table(json.load(open(sys.argv[1]))['rows'])" "$OUT/peers.json"
+fi

@@ -1,0 +1,219 @@
+"""The plain-PyTorch reference rows of train_bench.py: what a user writes without a framework.
+
+    python benchmarks/peer_ref.py --mode ref-eager|ref-compile --flavor 1B --layout single ...
+    (one process per rank, launched by train_bench.py)
+
+A Llama 3 written here (RMSNorm via F.rms_norm, RoPE on interleaved pairs, SDPA causal with
+grouped-query heads, SwiGLU, untied output), the shapes of titan's flavors, trained on titan's
+synthetic tokens. Parallelism and precision as PyTorch's own recipes do it:
+- tensor parallel: DTensor `parallelize_module` with sequence parallel (norms sharded on the
+  sequence, column-wise q/k/v/w1/w3, row-wise wo/w2, vocabulary-parallel output and loss);
+- always FSDP2 `fully_shard` per block and at the root over the data-parallel mesh, with
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 master weights, bf16
+  parameters and activations in the step, fp32 gradient reduction. With one data-parallel rank
+  (world size 1, or tp alone) the mesh has one rank and FSDP2 only applies that policy, as
+  torchtitan does; this is the same policy as titan's bf16 artifacts (parameters cast to bf16).
+- `torch.optim.AdamW(fused=True)`; no gradient clipping (titan-run has none).
+ref-compile: the same, each block `torch.compile(fullgraph=True)` before sharding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_record import StepRecord  # noqa: E402
+from train_bench import LAYOUTS  # noqa: E402
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x (batch, seq, heads, head_dim) in fp32, as Llama does."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), -1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds its share of the heads.
+        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def init_weights(self, seq_len: int, device: torch.device) -> None:
+        """After to_empty: parameters drawn (std 0.02, norms 1) and the RoPE tables."""
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=0.02)
+        hd = self.cfg.head_dim
+        freqs = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+        angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, self.cos, self.sin)
+        return self.output(self.norm(h))
+
+
+def _tp_plan(model: Llama) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i in model.layers:
+        p = f"layers.{i}."
+        plan.update({
+            p + "attention_norm": SequenceParallel(),
+            p + "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+            p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(),
+            p + "attention.wv": ColwiseParallel(), p + "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            p + "ffn_norm": SequenceParallel(),
+            p + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel(),
+            p + "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan
+
+
+def build(mode: str, cfg, dp_shard: int, tp: int, seq_len: int, device: torch.device):
+    """The sharded, initialized model and its meshes for this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh(device.type, (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], _tp_plan(model))
+    if mode == "ref-compile":
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp_shard"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(seq_len, device)
+    return model, mesh
+
+
+def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str) -> None:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from titan.builder.models.llama3.config import FLAVORS
+    from titan.runtime.data import SyntheticTokens
+
+    on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check this script
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    sizes = LAYOUTS[layout_name]
+    dp_shard, tp = sizes.get("dp_shard", 1), sizes.get("tp", 1)
+    cfg = FLAVORS[flavor]
+    model, mesh = build(mode, cfg, dp_shard, tp, seq_len, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=True)
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=batch, seq_len=seq_len, seed=0, dp_rank=dp_rank)
+    global_tokens = float(batch * seq_len * dp_shard)
+    record = StepRecord(device)
+    for step in range(steps):
+        tokens, labels = (t.to(device) for t in data.batch(step))
+        record.start()
+        with loss_parallel() if tp > 1 else torch.enable_grad():
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / global_tokens
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        reported = loss.detach()
+        reported = reported.full_tensor() if hasattr(reported, "full_tensor") else reported.clone()
+        if dp_shard > 1:  # the mean loss over the global batch
+            dist.all_reduce(reported, group=mesh["dp_shard"].get_group())
+        record.stop(reported.item())
+    if dist.get_rank() == 0:
+        record.write(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", required=True, choices=["ref-eager", "ref-compile"])
+    p.add_argument("--flavor", required=True)
+    p.add_argument("--layout", required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""What every benchmark worker records, one definition for train_bench.py and the peer rows.
+
+A worker times its steps itself (the device synchronized before and after each), and rank 0
+writes one JSON file: step times, reported losses, seconds from the launch of the rank processes
+(BENCH_T0) to the end of the first optimizer step, and the device's peak allocated memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+class StepRecord:
+    def __init__(self, device) -> None:
+        import torch
+        self._torch = torch
+        self.device = device
+        self.t_launch = float(os.environ["BENCH_T0"])
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.first_step_s: float | None = None
+        self._t0 = 0.0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self._torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self.sync()
+        self._t0 = time.perf_counter()
+
+    def stop(self, loss: float) -> None:
+        """After the optimizer step; `loss` is a Python float (reading it synchronizes)."""
+        self.sync()
+        self.times.append(time.perf_counter() - self._t0)
+        self.losses.append(loss)
+        if self.first_step_s is None:
+            self.first_step_s = time.time() - self.t_launch
+
+    def write(self, out: str | Path, **extra) -> None:
+        on_gpu = self.device.type == "cuda"
+        peak = self._torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else 0.0
+        Path(out).write_text(json.dumps({"step_times": self.times, "losses": self.losses,
+                                         "first_step_s": self.first_step_s, "peak_gib": peak, **extra}))
