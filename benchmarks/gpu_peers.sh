@@ -10,13 +10,14 @@
 #     (benchmarks/peer_wheels.txt, hashes checked) into /tmp/peer-site on PYTHONPATH;
 #  2. in the background, the titan artifacts of FLAVOR x LAYOUTS (default passes, and --fuse
 #     when MODES has titan-fuse) into the call's build cache: train_bench's own titan-build
-#     calls are then cache hits. The peer rows come first in MODES and run meanwhile;
+#     calls are then cache hits. Rows that need no artifact come first in MODES and run
+#     meanwhile (a titan row that starts before its build is done builds it itself);
 #  3. train_bench.py over MODES (each row stopped after BENCH_ROW_TIMEOUT s); raw numbers
 #     $OUT/peers.json (written after every row), full log $OUT/peers.txt; the table last.
 source "$(dirname "$0")/gpu_common.sh"
 FLAVOR=${FLAVOR:-1B}
 LAYOUTS=${LAYOUTS:-single}
-MODES=${MODES:-ref-eager,ref-compile,tt-eager,tt-compile,tt-graph,eager,titan,titan-fuse}
+MODES=${MODES:-ref-eager,ref-compile,eager,titan,titan-fuse,tt-eager,tt-compile,tt-graph}
 STEPS=${STEPS:-12}
 export BENCH_ROW_TIMEOUT=${BENCH_ROW_TIMEOUT:-150}
 
@@ -50,7 +51,7 @@ sys.exit('enable_annotations' not in inspect.signature(torch.cuda.graph.__init__
   echo "== torch.cuda.graph has no enable_annotations here: tt-graph runs as tt-graph-nocg (its cudagraph_pass off)"
 fi
 build_layouts "$(has_fuse)"
-timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/train_bench.py --flavor "$FLAVOR" \
+timeout "${BENCH_TIMEOUT:-520}" python3 benchmarks/train_bench.py --flavor "$FLAVOR" \
   $(for l in $LAYOUTS; do echo --layout "$l"; done) --steps "$STEPS" --modes "$MODES" --json "$OUT/peers.json" \
   > "$OUT/peers.txt" 2>&1
 echo "== bench exit $? [$(elapsed) s]"

@@ -240,7 +240,8 @@ def _spawn(cmd: list[str], world: int, env_extra: dict, log_prefix: Path) -> flo
     if timed_out:
         raise RowFailed(f"timed out after {timeout:.0f} s (BENCH_ROW_TIMEOUT)")
     if any(codes):
-        failed = next(i for i, c in enumerate(codes) if c)
+        # The rank that failed on its own, not one stopped here (negative: killed by a signal).
+        failed = next((i for i, c in enumerate(codes) if c > 0), next(i for i, c in enumerate(codes) if c))
         raise RowFailed(f"exit codes {codes}: {_failure_reason(logs[failed])}")
     return time.time() - t0
 
