@@ -17,7 +17,8 @@ flags() {
 }
 _build8b() {
   local name=$1; shift
-  titan-build --model llama3 ${FLAVOR:+--flavor "$FLAVOR"} --dtype bf16 --jobs 8 --out "artifacts/$name" "$@" \
+  titan-build --model llama3 ${FLAVOR:+--flavor "$FLAVOR"} ${SEQ_LEN:+--seq-len "$SEQ_LEN"} \
+    ${BATCH:+--batch-size "$BATCH"} --dtype bf16 --jobs 8 --out "artifacts/$name" "$@" \
     > "/tmp/titan-build-$name.txt" 2>&1
   echo "built $name: exit $? at $(elapsed) s"
 }
