@@ -42,7 +42,12 @@ def version(name):
     except md.PackageNotFoundError:
         return "missing"
 gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
-print(f"== torch {torch.__version__}, {gpus}, torchtitan {version('torchtitan')}")
+try:  # what the torchtitan rows import, before they run
+    import torchtitan.experiments.graph_trainer.trainer, torchtitan.models.llama3, torchtitan.trainer
+    imports = "imports"
+except Exception as e:
+    imports = f"does not import: {type(e).__name__}: {e}"
+print(f"== torch {torch.__version__}, {gpus}, torchtitan {version('torchtitan')} {imports}")
 EOF
 # torchtitan 0.3.0's graph trainer captures with torch.cuda.graph(enable_annotations=...), a
 # keyword added after torch 2.11: where this torch lacks it, the graph trainer row runs

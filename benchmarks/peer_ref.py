@@ -19,7 +19,6 @@ ref-compile: the same, each block `torch.compile(fullgraph=True)` before shardin
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from step_record import StepRecord  # noqa: E402
+from bench_worker import StepRecord, worker_args  # noqa: E402
 from train_bench import LAYOUTS  # noqa: E402
 
 
@@ -203,17 +202,8 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, choices=["ref-eager", "ref-compile"])
-    p.add_argument("--flavor", required=True)
-    p.add_argument("--layout", required=True)
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--json", required=True)
-    a = p.parse_args()
+    a = worker_args(["ref-eager", "ref-compile"])
     run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json)
-
 
 if __name__ == "__main__":
     main()

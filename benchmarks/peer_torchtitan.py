@@ -31,7 +31,6 @@ model on the meta device and exits with "needs CUDA".
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from step_record import StepRecord  # noqa: E402
+from bench_worker import StepRecord, worker_args  # noqa: E402
 from train_bench import LAYOUTS  # noqa: E402
 
 # titan flavor -> torchtitan's llama3 flavor of the same shapes
@@ -229,19 +228,10 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, choices=["tt-eager", "tt-compile", "tt-graph", "tt-graph-nocg"])
-    p.add_argument("--flavor", required=True)
-    p.add_argument("--layout", required=True)
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--json", required=True)
-    p.add_argument("--attention", default=os.environ.get("BENCH_TT_ATTENTION", "sdpa"), choices=["sdpa", "flex"])
-    a = p.parse_args()
+    a = worker_args(["tt-eager", "tt-compile", "tt-graph", "tt-graph-nocg"])
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json, a.attention)
-
+    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json,
+        os.environ.get("BENCH_TT_ATTENTION", "sdpa"))
 
 if __name__ == "__main__":
     main()

@@ -94,7 +94,6 @@ def flops_per_token(cfg, seq_len: int) -> float:
 # worker (one rank of eager / compile)
 
 def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str) -> None:
-    t_start = float(os.environ["BENCH_T0"])
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -107,6 +106,8 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from titan.runtime.data import SyntheticTokens
     from titan.runtime.init import full_param
 
+    from bench_worker import StepRecord
+
     rank = int(os.environ["RANK"])
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to smoke-test this script
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
@@ -115,7 +116,6 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     llama3 = model_spec("llama3")
     cfg = llama3.flavors[flavor]
     layout = Layout(**LAYOUTS[layout_name])
@@ -164,16 +164,14 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
             block.compile(fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=batch, seq_len=seq_len, seed=0, dp_rank=dp_rank)
-    times, losses, first_step_end = [], [], None
+    record = StepRecord(device)
     on_step = None
     if os.environ.get("BENCH_PROFILE") and rank == 0:
-        sys.path.insert(0, str(Path(__file__).parent))
         from profile_steps import StepProfiler, window
         on_step = StepProfiler(os.environ["BENCH_PROFILE"], f"{layout_name}-{mode}", *window(steps))
     for step in range(steps):
         tokens, labels = (t.to(device) for t in data.batch(step))
-        sync()
-        t0 = time.perf_counter()
+        record.start()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(tokens, labels)
         loss.backward()
@@ -182,15 +180,11 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         reported = loss.detach().clone()
         if layout.dp_degree > 1:  # the mean loss over the global batch, as titan-run reports it
             dist.all_reduce(reported, group=mesh["dp_shard"].get_group())
-        losses.append(reported.item())
-        times.append(time.perf_counter() - t0)
-        if first_step_end is None:
-            first_step_end = time.time() - t_start
+        record.stop(reported.item())
         if on_step is not None:
             on_step(step + 1)
     if rank == 0:
-        Path(out).write_text(json.dumps({"step_times": times, "losses": losses, "first_step_s": first_step_end,
-                                         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0}))
+        record.write(out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,4 +1,5 @@
-"""What every benchmark worker records, one definition for train_bench.py and the peer rows.
+"""What every benchmark worker shares (train_bench.py's own and the peer rows'): its command
+line, and what it records.
 
 A worker times its steps itself (the device synchronized before and after each), and rank 0
 writes one JSON file: step times, reported losses, seconds from the launch of the rank processes
@@ -7,6 +8,7 @@ writes one JSON file: step times, reported losses, seconds from the launch of th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -45,3 +47,16 @@ class StepRecord:
         peak = self._torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else 0.0
         Path(out).write_text(json.dumps({"step_times": self.times, "losses": self.losses,
                                          "first_step_s": self.first_step_s, "peak_gib": peak, **extra}))
+
+
+def worker_args(modes: list[str]) -> argparse.Namespace:
+    """The command line train_bench.py gives a peer worker (one process per rank)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", required=True, choices=modes)
+    p.add_argument("--flavor", required=True)
+    p.add_argument("--layout", required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--json", required=True)
+    return p.parse_args()
