@@ -1,6 +1,6 @@
 """The torchtitan rows of train_bench.py: torchtitan's own trainer classes on titan's data.
 
-    python benchmarks/peer_torchtitan.py --mode tt-eager|tt-compile|tt-graph --flavor 1B ...
+    python benchmarks/peer_torchtitan.py --mode tt-eager|tt-compile|tt-graph[-nocg] --flavor 1B ...
     (one process per rank, launched by train_bench.py; torchtitan and its needs come from the
     wheels pinned in benchmarks/peer_wheels.txt)
 
@@ -13,8 +13,9 @@ tt-graph:   torchtitan's graph trainer (experiments/graph_trainer): its `GraphTr
             `GraphTrainerCompileConfig(enable=True)`, i.e. aot_fx_trace of the whole step,
             simple_fsdp, its default pass pipeline (bucketing, regional inductor, its memory
             policy, CUDA graphs).
-tt-graph-nocg: the graph trainer without its cudagraph_pass, which calls
-            torch.cuda.graph(enable_annotations=...), a keyword newer than torch 2.11.
+-nocg:      the same without CUDA graphs (training.disable_cuda_graphs; for the graph trainer
+            its cudagraph_pass off, which calls torch.cuda.graph(enable_annotations=...), a
+            keyword newer than torch 2.11).
 
 What is set to match titan's rows (the rest is torchtitan's defaults): the model shapes of
 titan's flavor (`1B` without tied embeddings, as titan's 1B; SDPA attention, as titan's; the
@@ -137,12 +138,13 @@ def trainer_config(mode: str, flavor: str, layout_name: str, batch: int, seq_len
         dataloader=SyntheticLoader.Config(vocab_size=vocab, positions=attention == "flex"),
         optimizer=default_adamw(lr=8e-4),
         loss=CrossEntropyLoss.Config(global_vocab_size=vocab),
-        training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps),
+        training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps,
+                                disable_cuda_graphs=mode.endswith("-nocg")),
         parallelism=ParallelismConfig(data_parallel_shard_degree=sizes.get("dp_shard", 1),
                                       tensor_parallel_degree=sizes.get("tp", 1)),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
-        compile=CompileConfig(enable=mode == "tt-compile"),
+        compile=CompileConfig(enable=mode.startswith("tt-compile")),
         validator=Validator.Config(enable=False),
         metrics=MetricsProcessor.Config(log_freq=10**9),
     )
@@ -153,7 +155,7 @@ def trainer_config(mode: str, flavor: str, layout_name: str, batch: int, seq_len
     from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
     config = to_graph_trainer_config(config, graph_registry)
     config.compile = GraphTrainerCompileConfig(
-        enable=True, disable_passes=["cudagraph_pass"] if mode == "tt-graph-nocg" else [])
+        enable=True, disable_passes=["cudagraph_pass"] if mode.endswith("-nocg") else [])
     return GraphTrainer, config
 
 
@@ -228,7 +230,7 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
 
 
 def main() -> None:
-    a = worker_args(["tt-eager", "tt-compile", "tt-graph", "tt-graph-nocg"])
+    a = worker_args([m + cg for m in ("tt-eager", "tt-compile", "tt-graph") for cg in ("", "-nocg")])
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json,
         os.environ.get("BENCH_TT_ATTENTION", "sdpa"))

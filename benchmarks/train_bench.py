@@ -23,7 +23,7 @@ ref-eager / ref-compile: a plain-PyTorch Llama 3 (FSDP2 + DTensor TP, fused Adam
          torch.compile for ref-compile) written in benchmarks/peer_ref.py;
 tt-eager / tt-compile / tt-graph: torchtitan's trainer, its torch.compile, and its graph
          trainer (benchmarks/peer_torchtitan.py; torchtitan from benchmarks/peer_wheels.txt);
-         tt-graph-nocg: the graph trainer without its CUDA graph pass (for torch 2.11).
+         tt-*-nocg: the same without CUDA graphs (tt-graph-nocg: for torch 2.11).
 A row that cannot run says why (the last error line of its rank 0), and the table goes on.
 
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
@@ -78,8 +78,7 @@ TITAN_VARIANTS = {
 
 # peer mode -> its worker script (in benchmarks/)
 PEER_MODES = {"ref-eager": "peer_ref.py", "ref-compile": "peer_ref.py",
-              "tt-eager": "peer_torchtitan.py", "tt-compile": "peer_torchtitan.py", "tt-graph": "peer_torchtitan.py",
-              "tt-graph-nocg": "peer_torchtitan.py"}
+              **{m + cg: "peer_torchtitan.py" for m in ("tt-eager", "tt-compile", "tt-graph") for cg in ("", "-nocg")}}
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
