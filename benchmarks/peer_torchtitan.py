@@ -166,21 +166,19 @@ def timed_trainer(base):
 
     class Timed(base):
         record: StepRecord
+        pre_step = staticmethod(lambda: None)
 
         def train_step(self, data_iterator) -> None:
-            pre_step = getattr(self, "_pre_train_step_hook", None)
-            if pre_step is not None:
-                pre_step()
+            self.pre_step()
             input_dict, labels = next(data_iterator)
+            input_dict = {k: v.to(self.device) for k, v in input_dict.items()}
             self.record.start()
             self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
-            local_tokens = (labels != IGNORE_INDEX).sum()
+            local_tokens = (labels != IGNORE_INDEX).sum().to(self.device)
             if self.parallel_dims.dp_enabled:
-                global_tokens = dist_utils.dist_sum_tensor(local_tokens.to(self.device),
-                                                           self.parallel_dims.get_mesh("batch"))
+                global_tokens = dist_utils.dist_sum_tensor(local_tokens, self.parallel_dims.get_mesh("batch"))
             else:
-                global_tokens = local_tokens.to(self.device)
-            input_dict = {k: v.to(self.device) for k, v in input_dict.items()}
+                global_tokens = local_tokens
             loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
                                               global_valid_tokens=global_tokens)
             self.optimizers.step()
@@ -192,12 +190,11 @@ def timed_trainer(base):
     return Timed
 
 
-def _pre_step_hook(trainer) -> None:
-    """GraphTrainer.train_step runs its pass pipeline's pre-step hook before each step."""
+def _graph_pre_step(trainer):
+    """What GraphTrainer.train_step runs before each step: its pass pipeline's hook, if any."""
     from torchtitan.experiments.graph_trainer.registry import PRE_TRAIN_STEP_HOOKS
     hook = PRE_TRAIN_STEP_HOOKS.get(trainer.config.compile.pass_pipeline)
-    if hook is not None:
-        trainer._pre_train_step_hook = lambda: hook(trainer)
+    return (lambda: hook(trainer)) if hook is not None else (lambda: None)
 
 
 def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str,
@@ -218,7 +215,7 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
     trainer = timed_trainer(base)(config)
     trainer.record = StepRecord(trainer.device)
     if mode.startswith("tt-graph"):
-        _pre_step_hook(trainer)
+        trainer.pre_step = _graph_pre_step(trainer)
     try:
         trainer.train()
     finally:
@@ -234,6 +231,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json,
         os.environ.get("BENCH_TT_ATTENTION", "sdpa"))
+
 
 if __name__ == "__main__":
     main()
