@@ -1,0 +1,165 @@
+"""DeepSeek-V3 decoder (multi-head latent attention, dense then mixture-of-experts blocks),
+written for tracing like llama3.py: plain PyTorch, attention through the runtime's
+device-dispatched op, RoPE tables computed inside forward (no constants in the graph).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
+from titan.builder.models.deepseek_v3.moe import MoE, SwiGLU
+from titan.builder.models.llama3 import RMSNorm, apply_rope
+from titan.runtime.ops import causal_attention
+
+
+def rope_tables(seq_len: int, cfg: DeepSeekV3Config, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, qk_rope_head_dim // 2), float32, with YaRN's frequency
+    correction when rope_factor > 1 (DeepSeek-V3's published 671B model uses factor 40)."""
+    dim = cfg.qk_rope_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if cfg.rope_factor > 1.0:
+        # Frequencies that turn fewer than beta_slow times over the original context are
+        # interpolated (divided by the factor), those that turn more than beta_fast times are
+        # kept, with a linear ramp between.
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(cfg.rope_original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        keep = 1.0 - ramp
+        inv_freq = inv_freq / cfg.rope_factor * (1 - keep) + inv_freq * keep
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA: queries through an optional low-rank bottleneck; keys and values decompressed per
+    head from one shared latent of kv_lora_rank dims; RoPE only on qk_rope_head_dim extra
+    dims, whose key part is shared by all heads (decoupled RoPE)."""
+
+    def __init__(self, cfg: DeepSeekV3Config):
+        super().__init__()
+        self.cfg = cfg
+        n_heads, qk_dim = cfg.n_heads, cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, n_heads * qk_dim, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, n_heads * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.wo = nn.Linear(n_heads * cfg.v_head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        bsz, seqlen, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if cfg.q_lora_rank else self.wq(x)
+        # -1 for the head count: under tensor parallelism each rank holds a slice of the heads.
+        q = q.view(bsz, seqlen, -1, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        heads = k_nope.shape[2]
+        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin).expand(-1, -1, heads, -1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        if cfg.rope_factor > 1.0:
+            # YaRN's softmax temperature; the attention op applies qk_head_dim ** -0.5 itself.
+            q = q * (cfg.softmax_scale * math.sqrt(cfg.qk_head_dim))
+        # The attention kernels (CPU flash, CUDA flash) need one head size for q, k and v: pad
+        # v with zeros to qk_head_dim. Output columns are independent sums over keys, so the
+        # padding adds only zero columns, which are cut off again.
+        v = F.pad(v, (0, cfg.qk_head_dim - cfg.v_head_dim))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = causal_attention(q, k, v)[..., :cfg.v_head_dim]
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: DeepSeekV3Config, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = MultiHeadLatentAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.moe = layer >= cfg.n_dense_layers
+        self.feed_forward = MoE(cfg) if self.moe else SwiGLU(cfg.dim, cfg.dense_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class DeepSeekV3(nn.Module):
+    """Decoder that returns this rank's share of the mean next-token loss (see Llama3)."""
+
+    def __init__(self, cfg: DeepSeekV3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    loss_scale: float = 1.0
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.feed_forward for block in self.layers.values() if block.moe]
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(tokens.shape[1], self.cfg, tokens.device)
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        logits = self.output(self.norm(h))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+        return loss / self.loss_scale
+
+
+def _trunc(std: float) -> dict:
+    return {"kind": "trunc_normal", "std": std, "a": -2.0, "b": 2.0}
+
+
+def _swiglu_specs(prefix: str, suffix: str, base_std: float, depth_std: float) -> dict[str, dict]:
+    return {prefix + "w1" + suffix: _trunc(base_std), prefix + "w2" + suffix: _trunc(depth_std),
+            prefix + "w3" + suffix: _trunc(depth_std)}
+
+
+def init_specs(cfg: DeepSeekV3Config) -> dict[str, dict]:
+    """How each parameter is initialized (torchtitan's scheme), by fully qualified name. The
+    routed experts' stacked weights are drawn whole, so every expert layout starts alike."""
+    base_std = 0.02
+    specs: dict[str, dict] = {"tok_embeddings.weight": {"kind": "normal", "std": 1.0}}
+    for i in range(cfg.n_layers):
+        depth_std = base_std / math.sqrt(2 * (i + 1))
+        p = f"layers.{i}."
+        for name in ("attention_norm.weight", "ffn_norm.weight", "attention.kv_norm.weight"):
+            specs[p + name] = {"kind": "ones"}
+        if cfg.q_lora_rank:
+            specs[p + "attention.q_norm.weight"] = {"kind": "ones"}
+            specs[p + "attention.wq_a.weight"] = _trunc(base_std)
+            specs[p + "attention.wq_b.weight"] = _trunc(base_std)
+        else:
+            specs[p + "attention.wq.weight"] = _trunc(base_std)
+        specs[p + "attention.wkv_a.weight"] = _trunc(base_std)
+        specs[p + "attention.wkv_b.weight"] = _trunc(base_std)
+        specs[p + "attention.wo.weight"] = _trunc(depth_std)
+        if i < cfg.n_dense_layers:
+            specs.update(_swiglu_specs(p + "feed_forward.", ".weight", base_std, depth_std))
+            continue
+        specs[p + "feed_forward.gate.weight"] = _trunc(depth_std)
+        specs.update(_swiglu_specs(p + "feed_forward.", "", base_std, depth_std))
+        if cfg.n_shared_experts:
+            specs.update(_swiglu_specs(p + "feed_forward.shared_experts.", ".weight", base_std, depth_std))
+    specs["norm.weight"] = {"kind": "ones"}
+    out_std = cfg.dim ** -0.5
+    specs["output.weight"] = {"kind": "trunc_normal", "std": out_std, "a": -3 * out_std, "b": 3 * out_std}
+    return specs

@@ -1,0 +1,107 @@
+"""DeepSeek-V3's mixture of experts: sigmoid router with group-limited top-k and the
+auxiliary-loss-free balancing bias, routed SwiGLU experts (dispatched over expert-parallel
+ranks, see dispatch.py) and shared experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
+from titan.builder.models.deepseek_v3.dispatch import DispatchPlan, dispatch_and_combine
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, cfg: DeepSeekV3Config
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids, routing weights), each (tokens, top_k), for x: (tokens, dim).
+
+    The bias only steers the choice; the weights are the unbiased sigmoid scores of the chosen
+    experts, normalized over them and scaled by route_scale.
+    """
+    scores = F.linear(x.float(), gate_weight.float()).sigmoid()
+    biased = scores + expert_bias
+    if cfg.n_limited_groups < cfg.n_expert_groups:
+        # A group's score is the sum of its two best experts; experts outside the best groups
+        # cannot be chosen.
+        grouped = biased.unflatten(-1, (cfg.n_expert_groups, -1))
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        best_groups = group_scores.topk(cfg.n_limited_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best_groups, True)
+        biased = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+    expert_ids = biased.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, expert_ids)
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.route_scale
+    return expert_ids, weights
+
+
+class MoE(nn.Module):
+    """Routed experts (this rank's share under expert parallelism) plus shared experts.
+
+    `plan` and `ep_group` are set by whoever lays the model out (the builder, the eager
+    reference, a test) before the first forward: the dispatch needs the static token count.
+    `load_group` is the data-parallel group whose ranks share the balancing bias; their
+    expert loads are summed so that every replica applies the same update.
+
+    Buffers written by each forward (read after the step, never inside it):
+    `expert_bias` (the balancing bias, updated from this step's load), `tokens_per_expert`
+    (global load of the step) and `dropped_tokens` (assignments dropped for capacity, global).
+    """
+
+    def __init__(self, cfg: DeepSeekV3Config):
+        super().__init__()
+        self.cfg = cfg
+        e, d, h = cfg.n_routed_experts, cfg.dim, cfg.moe_hidden
+        self.gate = nn.Linear(d, e, bias=False)
+        # Stacked expert weights, (experts, out, in) like nn.Linear's, so a slice on dim 0 is
+        # one rank's experts.
+        self.w1 = nn.Parameter(torch.empty(e, h, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, h))
+        self.w3 = nn.Parameter(torch.empty(e, h, d))
+        self.shared_experts = SwiGLU(d, h * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.int64))
+        self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64))
+        self.plan: DispatchPlan | None = None
+        self.ep_group: dist.ProcessGroup | None = None
+        self.load_group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.plan is not None, "set MoE.plan (the static dispatch sizes) before running the model"
+        shape = x.shape
+        flat = x.flatten(0, -2)
+        expert_ids, weights = route(flat, self.gate.weight, self.expert_bias, self.cfg)
+        routed = dispatch_and_combine(flat, expert_ids, weights, plan=self.plan, w1=self.w1, w2=self.w2,
+                                      w3=self.w3, group=self.ep_group)
+        self._record_load(routed.tokens_per_expert, routed.dropped)
+        out = routed.out.to(x.dtype).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    @torch.no_grad()
+    def _record_load(self, tokens_per_expert: torch.Tensor, dropped: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3, section 2.1.2): after routing with the
+        current bias, move every expert's bias by bias_update_rate towards the mean load."""
+        counts = torch.cat([tokens_per_expert, dropped.view(1)])
+        if self.load_group is not None:
+            counts = funcol.all_reduce(counts, "sum", self.load_group)
+        load, dropped = counts[:-1], counts[-1]
+        load_f = load.float()
+        self.expert_bias.add_(torch.sign(load_f.mean() - load_f) * self.cfg.bias_update_rate)
+        self.tokens_per_expert.copy_(load)
+        self.dropped_tokens.copy_(dropped)
