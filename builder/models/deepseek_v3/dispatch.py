@@ -20,7 +20,7 @@ equal splits, and the real counts travel on the device beside the rows:
   expert); the dropped count is computed on the device and reported after the step.
 
 Everything here is sort, searchsorted, gather and where on the device, and the expert GEMMs are
-`torch._grouped_mm` driven by device offsets: traced graphs have static shapes and no
+grouped GEMMs (`titan::grouped_mm`, runtime/grouped_mm.py) driven by device offsets: traced graphs have static shapes and no
 `.item()`, `.tolist()`, `nonzero` or host copies.
 """
 
@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+
+from titan.runtime.grouped_mm import grouped_mm
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,10 +97,9 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
 def _grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                     w3: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts on rows grouped by expert: rows offsets[j-1]:offsets[j] go to expert j.
-    Rows past offsets[-1] (the unused tail of the static buffer) come out as garbage."""
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+    Rows past offsets[-1] (the unused tail of the static buffer) come out zero."""
+    h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offsets)) * grouped_mm(x, w3.transpose(-2, -1), offsets)
+    return grouped_mm(h, w2.transpose(-2, -1), offsets)
 
 
 @dataclass(kw_only=True)
@@ -155,7 +156,6 @@ def dispatch_and_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     by_expert = torch.argsort(expert_of_row.flatten(), stable=True)
     offsets = recv_counts.sum(0).cumsum(0).to(torch.int32)
     y = _grouped_swiglu(recv[by_expert], offsets, w1, w2, w3)
-    y = torch.where((torch.arange(ep * cap, device=device) < offsets[-1])[:, None], y, 0.0)
     back = _all_to_all(y[torch.argsort(by_expert)], group)  # (ep * cap, dim), source layout
 
     # Assignment (t, j) sits at sorted position p; its row came back in block r at p - rank_start[r].
