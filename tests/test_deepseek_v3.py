@@ -94,7 +94,7 @@ def test_expert_parallel_step_matches_single_rank(tmp_path):
     assert int(ranks[0]["buffer.layers.1.feed_forward.tokens_per_expert"].sum()) == BATCH * SEQ * CFG.top_k
 
 
-def _skewed_bias(state: dict) -> dict[str, torch.Tensor]:
+def _skewed_bias() -> dict[str, torch.Tensor]:
     """Balancing biases that send every token of every MoE layer to experts 0, 1 and 2, all
     held by expert-parallel rank 0: the worst case the dropless bound is sized for."""
     bias = torch.zeros(CFG.n_routed_experts)
@@ -103,7 +103,7 @@ def _skewed_bias(state: dict) -> dict[str, torch.Tensor]:
 
 
 def test_worst_case_routing_is_dropless_by_default(tmp_path):
-    state, batch = {**_weights(), **_skewed_bias(_weights())}, _batch()
+    state, batch = {**_weights(), **_skewed_bias()}, _batch()
     ref = _single_rank_step(state, batch)
     ranks = _run_ep_ranks(tmp_path / "skew", state, batch)
     tokens = BATCH * SEQ
@@ -119,7 +119,7 @@ def test_capacity_overflow_is_counted_and_reported(tmp_path):
     """Capacity factor 1: each (source, destination) block holds the balanced share
     tokens * top_k / ep; with everything routed to rank 0, half of each rank's assignments
     overflow, and every rank reports the global count after the step."""
-    state, batch = {**_weights(), **_skewed_bias(_weights())}, _batch()
+    state, batch = {**_weights(), **_skewed_bias()}, _batch()
     world = 2
     ranks = _run_ep_ranks(tmp_path / "cap", state, batch, world=world, extra=("--capacity-factor", "1.0"))
     per_rank_assignments = BATCH * SEQ // world * CFG.top_k

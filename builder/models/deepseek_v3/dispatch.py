@@ -102,6 +102,13 @@ def _grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, w2
     return grouped_mm(h, w2.transpose(-2, -1), offsets)
 
 
+def _rows_or_zero(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """src[index] where valid, a zero row elsewhere: invalid entries read an appended zero row,
+    so no index is clamped onto a real row and every real row's gradient is a plain sum."""
+    padded = torch.cat([src, src.new_zeros(1, src.shape[-1])])
+    return padded[torch.where(valid, index, src.shape[0])]
+
+
 @dataclass(kw_only=True)
 class DispatchResult:
     out: torch.Tensor
@@ -139,7 +146,7 @@ def dispatch_and_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     pos = rank_start[:-1, None] + slot  # (ep, cap)
     sent = slot < (rank_start[1:] - rank_start[:-1])[:, None]
     token_of_pos = order[pos.clamp(max=n_assign - 1)] // k
-    send = torch.where(sent[..., None], x[token_of_pos], 0.0).flatten(0, 1)
+    send = _rows_or_zero(x, token_of_pos, sent).flatten(0, 1)
 
     # Per (destination, expert) counts of the rows that fit in the block; the rest is dropped.
     block_offset = (expert_start[:-1] - rank_start[:-1].repeat_interleave(local)).view(ep, local)
@@ -163,6 +170,6 @@ def dispatch_and_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     dest = flat // local
     slot_of = sorted_pos - rank_start[dest]
     kept_assign = slot_of < cap
-    y_assign = torch.where(kept_assign[:, None], back[dest * cap + slot_of.clamp(max=cap - 1)], 0.0)
+    y_assign = _rows_or_zero(back, dest * cap + slot_of, kept_assign)
     out = (y_assign.view(tokens, k, -1) * weights[..., None].to(y_assign.dtype)).sum(1)
     return DispatchResult(out=out, tokens_per_expert=tokens_per_expert, dropped=dropped)
