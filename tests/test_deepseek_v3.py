@@ -212,3 +212,55 @@ def test_expert_parallel_step_traces_to_static_shapes_without_host_sync():
             assert sum(str(n.target) == "titan.grouped_mm.default" for n in calls) == 9 * CFG.n_moe_layers
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_step_captures_in_a_cuda_graph(dtype):
+    """The whole step, dispatch included, captures in a CUDA graph (a host sync would abort the
+    capture) and one replay equals one eager step: the loss and the MoE buffers (balancing bias,
+    loads) exactly, the gradients to rounding (the CUDA attention backward accumulates
+    atomically)."""
+    cuda = torch.device("cuda")
+    probe = torch.zeros(8, 16, device=cuda, dtype=dtype), torch.zeros(2, 16, 16, device=cuda, dtype=dtype)
+    try:
+        torch._grouped_mm(*probe, offs=torch.tensor([4, 8], device=cuda, dtype=torch.int32))
+    except RuntimeError as e:
+        pytest.skip(f"this torch's CUDA grouped GEMM does not take {dtype}: {e}")
+    state, batch = _weights(), {k: v.to(cuda) for k, v in _batch().items()}
+
+    def make() -> DeepSeekV3:
+        model = DeepSeekV3(CFG)
+        model.load_state_dict(state, strict=False)
+        model.to(device=cuda, dtype=dtype)
+        for moe in model.moe_layers():
+            moe.expert_bias.data = moe.expert_bias.float()
+        model.loss_scale = float(batch["tokens"].numel())
+        set_dispatch(model, tokens=batch["tokens"].numel())
+        return model
+
+    def step(model: DeepSeekV3) -> torch.Tensor:
+        loss = model(batch["tokens"], batch["labels"])
+        loss.backward()
+        return loss
+
+    eager, captured = make(), make()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (allocates the gradients), on both models alike
+        for model in (eager, captured):
+            step(model)
+            for p in model.parameters():
+                p.grad.zero_()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_loss = step(captured)
+    graph.replay()
+    eager_loss = step(eager)
+    torch.cuda.synchronize()
+    assert torch.equal(captured_loss, eager_loss)
+    for (name, a), b in zip(captured.named_buffers(), eager.buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(captured.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=lambda m: f"{name}: {m}")
