@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from titan.builder.models.deepseek_v3.config import FLAVORS
+from titan.builder.models.deepseek_v3.dispatch import make_plan
 from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param, set_dispatch
 from titan.builder.models.deepseek_v3.model import DeepSeekV3, init_specs
 from titan.runtime.init import full_param
@@ -92,6 +93,22 @@ def test_expert_parallel_step_matches_single_rank(tmp_path):
         for fqn, buf in ref_buffers.items():
             assert torch.equal(out["buffer." + fqn], buf), f"{fqn} differs on rank {rank}"
     assert int(ranks[0]["buffer.layers.1.feed_forward.tokens_per_expert"].sum()) == BATCH * SEQ * CFG.top_k
+
+
+def test_dispatch_plan_sizes():
+    """Dropless blocks hold every assignment a rank can send one peer; a capacity factor sizes
+    them from the balanced load, never beyond the dropless bound."""
+    dropless = make_plan(n_experts=8, ep=2, tokens=32, top_k=3)
+    assert (dropless.capacity, dropless.buffer_rows, dropless.dropless) == (32 * 3, 2 * 32 * 3, True)
+    # A token reaches at most experts_per_rank distinct experts on one peer.
+    assert make_plan(n_experts=8, ep=4, tokens=32, top_k=3).capacity == 32 * 2
+    capped = make_plan(n_experts=8, ep=2, tokens=32, top_k=3, capacity_factor=1.25)
+    assert (capped.capacity, capped.dropless) == (60, False)
+    assert make_plan(n_experts=8, ep=2, tokens=32, top_k=3, capacity_factor=10.0).capacity == 96
+    with pytest.raises(ValueError, match="does not divide the 8 routed experts"):
+        make_plan(n_experts=8, ep=3, tokens=32, top_k=3)
+    with pytest.raises(ValueError, match="capacity factor must be > 0"):
+        make_plan(n_experts=8, ep=2, tokens=32, top_k=3, capacity_factor=0.0)
 
 
 def _skewed_bias() -> dict[str, torch.Tensor]:
