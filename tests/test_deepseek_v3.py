@@ -69,8 +69,10 @@ def _run_ep_ranks(work: Path, state: dict, batch: dict, *, world: int = 2, extra
     return [load_file(work / f"rank{r}.safetensors") for r in range(world)]
 
 
-def test_expert_parallel_step_matches_single_rank(tmp_path):
-    """EP=2 (each rank: half the batch, half the experts) against one rank with everything.
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)], ids=["ep2", "dp2xep2"])
+def test_expert_parallel_step_matches_single_rank(tmp_path, world, ep):
+    """ep=2 (each rank: half the batch, half the experts) and data parallel 2 x ep=2 (each rank
+    a quarter of the batch, half the experts, replicated twice) against one rank with everything.
 
     Not bitwise: the two ranks' losses and data-parallel gradients are summed across ranks in a
     different order than one rank sums them, and each expert's GEMM sees a different row count
@@ -80,15 +82,15 @@ def test_expert_parallel_step_matches_single_rank(tmp_path):
     """
     state, batch = _weights(), _batch()
     ref = _single_rank_step(state, batch)
-    ranks = _run_ep_ranks(tmp_path / "ep2", state, batch)
+    ranks = _run_ep_ranks(tmp_path / "ep", state, batch, world=world, extra=("--ep", str(ep)))
     ref_grads = {fqn: p.grad for fqn, p in ref.named_parameters()}
     ref_buffers = dict(ref.named_buffers())
     for rank, out in enumerate(ranks):
         torch.testing.assert_close(out["loss"], ref.last_loss.detach(), rtol=1e-6, atol=0)
         for fqn, grad in ref_grads.items():
             if is_expert_param(fqn):
-                per_rank = grad.shape[0] // len(ranks)
-                grad = grad[rank * per_rank:(rank + 1) * per_rank]
+                per_rank = grad.shape[0] // ep
+                grad = grad[rank % ep * per_rank:(rank % ep + 1) * per_rank]
             torch.testing.assert_close(out["grad." + fqn], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{fqn}: {m}")
         for fqn, buf in ref_buffers.items():
             assert torch.equal(out["buffer." + fqn], buf), f"{fqn} differs on rank {rank}"
@@ -148,17 +150,14 @@ def test_capacity_overflow_is_counted_and_reported(tmp_path):
             assert dropped == world * (per_rank_assignments - capacity)
 
 
-def test_first_step_loss_matches_transformers_with_two_expert_parallel_ranks(tmp_path):
-    """The same tiny weights and tokens in transformers' DeepseekV3ForCausalLM (eager
-    attention) and in titan's model on two expert-parallel ranks. The losses agree to float32
-    rounding (rtol 1e-5): both compute the same math, but transformers sums expert outputs by
-    index_add in expert order and runs attention as explicit matmuls, titan sums them per
-    token and runs the flash-attention kernel."""
+def _transformers_loss(cfg, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(first-step loss, the same weights in titan's names) of a randomly drawn transformers
+    DeepseekV3ForCausalLM of `cfg`'s shapes, eager attention."""
     transformers = pytest.importorskip("transformers")
     from titan.builder.models.deepseek_v3.hf_names import from_hf, hf_config_kwargs
 
     torch.manual_seed(0)
-    hf_cfg = transformers.DeepseekV3Config(**hf_config_kwargs(CFG))
+    hf_cfg = transformers.DeepseekV3Config(**hf_config_kwargs(cfg))
     hf_cfg._attn_implementation = "eager"
     hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
     with torch.no_grad():  # transformers initializes the router weight to zero; draw everything
@@ -168,13 +167,40 @@ def test_first_step_loss_matches_transformers_with_two_expert_parallel_ranks(tmp
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.01)
-    batch = _batch()
-    with torch.no_grad():
         logits = hf(input_ids=batch["tokens"]).logits
-    hf_loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
-    ranks = _run_ep_ranks(tmp_path / "hf", from_hf(hf.state_dict(), CFG), batch)
-    for out in ranks:
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+    return loss, from_hf(hf.state_dict(), cfg)
+
+
+def test_first_step_loss_matches_transformers_with_two_expert_parallel_ranks(tmp_path):
+    """The same tiny weights and tokens in transformers' DeepseekV3ForCausalLM and in titan's
+    model on two expert-parallel ranks. The losses agree to float32 rounding (rtol 1e-5): both
+    compute the same math, but transformers sums expert outputs by index_add in expert order
+    and runs attention as explicit matmuls, titan sums them per token and runs the
+    flash-attention kernel (with one rank they were equal to the last bit here)."""
+    batch = _batch()
+    hf_loss, state = _transformers_loss(CFG, batch)
+    for out in _run_ep_ranks(tmp_path / "hf", state, batch):
         torch.testing.assert_close(out["loss"], hf_loss, rtol=1e-5, atol=0)
+
+
+def test_yarn_rope_matches_transformers():
+    """671B's YaRN context extension (frequency ramp and softmax temperature), active on the
+    debug shapes by a short original context: one rank against transformers, rtol 1e-5."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, rope_factor=4.0, rope_original_seq_len=8, rope_mscale=0.707)
+    batch = _batch()
+    hf_loss, state = _transformers_loss(cfg, batch)
+    model = DeepSeekV3(cfg)
+    model.load_state_dict(state, strict=False)
+    model.loss_scale = float(batch["tokens"].numel())
+    set_dispatch(model, tokens=batch["tokens"].numel())
+    with torch.no_grad():
+        loss = model(batch["tokens"], batch["labels"])
+    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=0)
+    plain, _ = _transformers_loss(CFG, batch)
+    assert not torch.equal(plain, hf_loss), "YaRN changed nothing: the test would not see it"
 
 
 # Ops that read a device value on the host, or whose output shape depends on data.

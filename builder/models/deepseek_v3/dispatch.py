@@ -19,9 +19,9 @@ equal splits, and the real counts travel on the device beside the rows:
   past a block's capacity are dropped (they contribute zero, like a token that skipped the
   expert); the dropped count is computed on the device and reported after the step.
 
-Everything here is sort, searchsorted, gather and where on the device, and the expert GEMMs are
-grouped GEMMs (`titan::grouped_mm`, runtime/grouped_mm.py) driven by device offsets: traced graphs have static shapes and no
-`.item()`, `.tolist()`, `nonzero` or host copies.
+Everything here is sort, searchsorted, gather and where on the device, and the experts run as
+grouped GEMMs (`titan::grouped_mm`, runtime/grouped_mm.py) driven by device offsets: traced
+graphs have static shapes and no `.item()`, `.tolist()`, `nonzero` or host copies.
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ def from_hf(hf: Mapping[str, torch.Tensor], cfg: DeepSeekV3Config) -> dict[str, 
         out[dst + "feed_forward.w1"], out[dst + "feed_forward.w3"] = w1, w3
         out[dst + "feed_forward.w2"] = hf[src + "mlp.experts.down_proj"]
         if cfg.n_shared_experts:
+            shared_src, shared_dst = src + "mlp.shared_experts.", dst + "feed_forward.shared_experts."
             for ours, theirs in _SWIGLU.items():
-                out[dst + f"feed_forward.shared_experts.{ours}.weight"] = hf[src + f"mlp.shared_experts.{theirs}.weight"]
+                out[shared_dst + f"{ours}.weight"] = hf[shared_src + f"{theirs}.weight"]
     return out

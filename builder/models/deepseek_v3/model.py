@@ -27,7 +27,8 @@ def rope_tables(seq_len: int, cfg: DeepSeekV3Config, device) -> tuple[torch.Tens
         # interpolated (divided by the factor), those that turn more than beta_fast times are
         # kept, with a linear ramp between.
         def correction_dim(rotations: float) -> float:
-            return dim * math.log(cfg.rope_original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+            turns = cfg.rope_original_seq_len / (rotations * 2 * math.pi)
+            return dim * math.log(turns) / (2 * math.log(cfg.rope_theta))
 
         low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
         high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
