@@ -1,27 +1,96 @@
-"""One rank of an eager DeepSeek-V3 step with expert parallelism over gloo (tests start it).
+"""One rank of a DeepSeek-V3 step with expert parallelism over gloo (tests start it).
 
-    python deepseek_ep_worker.py DIR [--ep N] [--capacity-factor F]
+    python deepseek_ep_worker.py DIR [--ep N] [--capacity-factor F] [--graph]
 
-Reads DIR/weights.safetensors (global weights, titan names) and DIR/batch.safetensors (the
-global tokens and labels). Every rank is data parallel and takes rows r::world of the batch;
-the expert-parallel groups are runs of N consecutive ranks (ep innermost, carved from the
-data-parallel ranks), so with world > N the experts are replicated over world / N groups.
-Writes DIR/rank{r}.safetensors: the global loss, every gradient (data-parallel ones summed
-over all ranks, expert ones this rank's slice summed over its replicas) and the MoE layers'
-buffers after the step.
+Reads DIR/weights.safetensors (global weights and balancing biases, titan names) and
+DIR/batch.safetensors (the global tokens and labels). Every rank is data parallel and takes
+rows r::world of the batch; the expert-parallel groups are runs of N consecutive ranks (ep
+innermost, carved from the data-parallel ranks), so with world > N the experts are replicated
+over world / N groups. Runs the step eagerly and, with --graph, also as the builder ships it:
+exported forward + backward, partitioned, written in the titan graph format, read back and run.
+Writes DIR/rank{r}.safetensors: per mode ("eager.", "graph.") the global loss, every gradient
+(data-parallel ones summed over all ranks, expert ones this rank's slice summed over its
+replicas) and the MoE layers' buffers after the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from titan.builder.graph_writer import encode_graph
 from titan.builder.models.deepseek_v3.config import FLAVORS
 from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param, set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
+from titan.builder.trace import copy_graph_module
+from titan.runtime.graph_format import load_graph
+
+
+class Step:
+    """This rank's model and share of the batch."""
+
+    def __init__(self, args, ep_group, *, device: str = "cpu"):
+        rank, world, ep = dist.get_rank(), dist.get_world_size(), args.ep
+        with torch.device("meta"):
+            self.model = DeepSeekV3(FLAVORS["debug"])
+        batch = load_file(args.dir / "batch.safetensors")
+        # Contiguous, as a runtime's batches are (the graphs were traced with contiguous inputs).
+        self.tokens, self.labels = (batch[k][rank::world].contiguous() for k in ("tokens", "labels"))
+        self.model.loss_scale = float(batch["tokens"].numel())
+        shard_experts(self.model, ep=ep, ep_rank=rank % ep)
+        set_dispatch(self.model, tokens=self.tokens.numel(), ep=ep, ep_group=ep_group, load_group=dist.group.WORLD,
+                     capacity_factor=args.capacity_factor)
+        if device == "meta":
+            return
+        self.model.to_empty(device=device)
+        weights = load_file(args.dir / "weights.safetensors")
+        with torch.no_grad():
+            for fqn, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
+                full = weights.get(fqn, torch.zeros_like(t))
+                t.copy_(full.narrow(0, rank % ep * t.shape[0], t.shape[0]) if is_expert_param(fqn) else full)
+
+
+def eager_step(step: Step) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = step.model(step.tokens, step.labels)
+    loss.backward()
+    return loss.detach(), {fqn: p.grad for fqn, p in step.model.named_parameters()}
+
+
+def graph_step(step: Step, traced: Step, groups: dict[str, str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Export `traced` (the same rank on the meta device), write and read back its forward and
+    backward graphs, and run them on `step`'s parameters and buffers; the buffers' new values
+    (the input mutations the forward returns) are copied back, as a runtime would."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        traced.model.to_empty(device="cpu")
+        example = torch.empty_like(step.tokens, device="cpu")
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, traced.model, (example, example)).graph_module
+        inputs = [n.meta["desc"] for n in joint.graph.nodes if n.op == "placeholder"]
+        outputs = next(n for n in joint.graph.nodes if n.op == "output").meta["desc"]
+        mutated = [d.mutated_input.target for d in outputs if type(d).__name__ == "InputMutationAOTOutput"]
+        fw, bw = min_cut_rematerialization_partition(copy_graph_module(joint), None, num_fwd_outputs=len(mutated) + 1)
+    names = {real: dim for dim, real in groups.items()}
+    fw, bw = (load_graph(encode_graph(g, group_names=names), device=torch.device("cpu"), groups=groups) for g in (fw, bw))
+    params, buffers = dict(step.model.named_parameters()), dict(step.model.named_buffers())
+    values = {"ParamAOTInput": params, "BufferAOTInput": buffers}
+    args = [values[type(d).__name__][d.target] if type(d).__name__ in values else (step.tokens, step.labels)[d.idx]
+            for d in inputs if type(d).__name__ != "TangentAOTInput"]
+    with torch.no_grad():
+        out = fw(*[a.detach() for a in args])
+        for fqn, value in zip(mutated, out):
+            buffers[fqn].copy_(value)
+        loss, saved = out[len(mutated)], out[len(mutated) + 1:]
+        grads = bw(*saved, torch.ones_like(loss))
+    forward_inputs = [d for d in inputs if type(d).__name__ != "TangentAOTInput"]
+    return loss, {d.target: g for d, g in zip(forward_inputs, grads) if type(d).__name__ == "ParamAOTInput"}
 
 
 def main() -> None:
@@ -29,36 +98,32 @@ def main() -> None:
     parser.add_argument("dir", type=Path)
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: the world size)")
     parser.add_argument("--capacity-factor", type=float, default=None)
+    parser.add_argument("--graph", action="store_true", help="also run the step as exported graphs")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ep = args.ep or world
+    args.ep = ep = args.ep or world
     # Every rank creates every group, in the same order.
     ep_groups = [dist.new_group(list(range(start, start + ep))) for start in range(0, world, ep)]
     replica_groups = [dist.new_group(list(range(i, world, ep))) for i in range(ep)]
     ep_group, replica_group = ep_groups[rank // ep], replica_groups[rank % ep]
-    cfg = FLAVORS["debug"]
-    model = DeepSeekV3(cfg)
-    model.load_state_dict(load_file(args.dir / "weights.safetensors"), strict=False)
-    if (args.dir / "bias.safetensors").exists():
-        model.load_state_dict(load_file(args.dir / "bias.safetensors"), strict=False)
-    batch = load_file(args.dir / "batch.safetensors")
-    tokens, labels = batch["tokens"][rank::world], batch["labels"][rank::world]
-    model.loss_scale = float(batch["tokens"].numel())
-    shard_experts(model, ep=ep, ep_rank=rank % ep)
-    set_dispatch(model, tokens=tokens.numel(), ep=ep, ep_group=ep_group, load_group=dist.group.WORLD,
-                 capacity_factor=args.capacity_factor)
+    groups = {"ep": ep_group.group_name, "dp": dist.group.WORLD.group_name}
 
-    loss = model(tokens, labels)
-    loss.backward()
-    out = {"loss": loss.detach().clone()}
-    dist.all_reduce(out["loss"])
-    for fqn, p in model.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=replica_group if is_expert_param(fqn) else None)
-        out["grad." + fqn] = grad
-    for fqn, buf in model.named_buffers():
-        out["buffer." + fqn] = buf.clone()
+    out = {}
+    modes = {"eager": lambda s: eager_step(s)}
+    if args.graph:
+        modes["graph"] = lambda s: graph_step(s, Step(args, ep_group, device="meta"), groups)
+    for mode, run in modes.items():
+        step = Step(args, ep_group)
+        loss, grads = run(step)
+        out[f"{mode}.loss"] = loss.clone()
+        dist.all_reduce(out[f"{mode}.loss"])
+        for fqn, grad in grads.items():
+            grad = grad.contiguous()  # graph gradients may be strided views (a transpose's)
+            dist.all_reduce(grad, group=replica_group if is_expert_param(fqn) else None)
+            out[f"{mode}.grad.{fqn}"] = grad
+        for fqn, buf in step.model.named_buffers():
+            out[f"{mode}.buffer.{fqn}"] = buf.clone()
     save_file(out, args.dir / f"rank{rank}.safetensors")
     dist.destroy_process_group()
 

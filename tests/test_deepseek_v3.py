@@ -70,9 +70,12 @@ def _run_ep_ranks(work: Path, state: dict, batch: dict, *, world: int = 2, extra
 
 
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)], ids=["ep2", "dp2xep2"])
-def test_expert_parallel_step_matches_single_rank(tmp_path, world, ep):
+def test_expert_parallel_step_matches_single_rank_and_its_graphs_match_eager(tmp_path, world, ep):
     """ep=2 (each rank: half the batch, half the experts) and data parallel 2 x ep=2 (each rank
-    a quarter of the batch, half the experts, replicated twice) against one rank with everything.
+    a quarter of the batch, half the experts, replicated twice) against one rank with everything;
+    and on every rank, the step as exported graphs (forward + backward, written in the titan
+    graph format and read back) against the eager step: bitwise, loss, every gradient and every
+    MoE buffer (the balancing-bias update included).
 
     Not bitwise: the two ranks' losses and data-parallel gradients are summed across ranks in a
     different order than one rank sums them, and each expert's GEMM sees a different row count
@@ -82,19 +85,24 @@ def test_expert_parallel_step_matches_single_rank(tmp_path, world, ep):
     """
     state, batch = _weights(), _batch()
     ref = _single_rank_step(state, batch)
-    ranks = _run_ep_ranks(tmp_path / "ep", state, batch, world=world, extra=("--ep", str(ep)))
+    ranks = _run_ep_ranks(tmp_path / "ep", state, batch, world=world, extra=("--ep", str(ep), "--graph"))
+    for rank, out in enumerate(ranks):
+        eager = sorted(k for k in out if k.startswith("eager."))
+        assert [k.replace("eager.", "graph.", 1) for k in eager] == sorted(k for k in out if k.startswith("graph."))
+        for key in eager:
+            assert torch.equal(out[key], out[key.replace("eager.", "graph.", 1)]), f"rank {rank}: {key}"
     ref_grads = {fqn: p.grad for fqn, p in ref.named_parameters()}
     ref_buffers = dict(ref.named_buffers())
     for rank, out in enumerate(ranks):
-        torch.testing.assert_close(out["loss"], ref.last_loss.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(out["eager.loss"], ref.last_loss.detach(), rtol=1e-6, atol=0)
         for fqn, grad in ref_grads.items():
             if is_expert_param(fqn):
                 per_rank = grad.shape[0] // ep
                 grad = grad[rank % ep * per_rank:(rank % ep + 1) * per_rank]
-            torch.testing.assert_close(out["grad." + fqn], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{fqn}: {m}")
+            torch.testing.assert_close(out["eager.grad." + fqn], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{fqn}: {m}")
         for fqn, buf in ref_buffers.items():
-            assert torch.equal(out["buffer." + fqn], buf), f"{fqn} differs on rank {rank}"
-    assert int(ranks[0]["buffer.layers.1.feed_forward.tokens_per_expert"].sum()) == BATCH * SEQ * CFG.top_k
+            assert torch.equal(out["eager.buffer." + fqn], buf), f"{fqn} differs on rank {rank}"
+    assert int(ranks[0]["eager.buffer.layers.1.feed_forward.tokens_per_expert"].sum()) == BATCH * SEQ * CFG.top_k
 
 
 def test_dispatch_plan_sizes():
@@ -128,10 +136,10 @@ def test_worst_case_routing_is_dropless_by_default(tmp_path):
     tokens = BATCH * SEQ
     for out in ranks:
         for i in range(CFG.n_dense_layers, CFG.n_layers):
-            load = out[f"buffer.layers.{i}.feed_forward.tokens_per_expert"]
+            load = out[f"eager.buffer.layers.{i}.feed_forward.tokens_per_expert"]
             assert load.tolist() == [tokens] * CFG.top_k + [0] * (CFG.n_routed_experts - CFG.top_k)
-            assert int(out[f"buffer.layers.{i}.feed_forward.dropped_tokens"]) == 0
-        torch.testing.assert_close(out["loss"], ref.last_loss.detach(), rtol=1e-6, atol=0)
+            assert int(out[f"eager.buffer.layers.{i}.feed_forward.dropped_tokens"]) == 0
+        torch.testing.assert_close(out["eager.loss"], ref.last_loss.detach(), rtol=1e-6, atol=0)
 
 
 def test_capacity_overflow_is_counted_and_reported(tmp_path):
@@ -144,9 +152,9 @@ def test_capacity_overflow_is_counted_and_reported(tmp_path):
     per_rank_assignments = BATCH * SEQ // world * CFG.top_k
     capacity = per_rank_assignments // world
     for out in ranks:
-        assert torch.isfinite(out["loss"])
+        assert torch.isfinite(out["eager.loss"])
         for i in range(CFG.n_dense_layers, CFG.n_layers):
-            dropped = int(out[f"buffer.layers.{i}.feed_forward.dropped_tokens"])
+            dropped = int(out[f"eager.buffer.layers.{i}.feed_forward.dropped_tokens"])
             assert dropped == world * (per_rank_assignments - capacity)
 
 
@@ -181,7 +189,7 @@ def test_first_step_loss_matches_transformers_with_two_expert_parallel_ranks(tmp
     batch = _batch()
     hf_loss, state = _transformers_loss(CFG, batch)
     for out in _run_ep_ranks(tmp_path / "hf", state, batch):
-        torch.testing.assert_close(out["loss"], hf_loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(out["eager.loss"], hf_loss, rtol=1e-5, atol=0)
 
 
 def test_yarn_rope_matches_transformers():

@@ -139,12 +139,13 @@ def dispatch_and_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     order = torch.argsort(flat, stable=True)
     expert_start = torch.searchsorted(flat[order], torch.arange(plan.n_experts + 1, device=device))
     tokens_per_expert = expert_start.diff()
-    rank_start = expert_start[::local]  # (ep + 1,)
+    # Explicit slice ends: the graph format bounds integers, and an open end is sys.maxsize.
+    rank_start = expert_start[0:plan.n_experts + 1:local]  # (ep + 1,)
 
     # Send block of destination r, slot c: sorted assignment rank_start[r] + c, if it exists.
     slot = torch.arange(cap, device=device)
     pos = rank_start[:-1, None] + slot  # (ep, cap)
-    sent = slot < (rank_start[1:] - rank_start[:-1])[:, None]
+    sent = slot < rank_start.diff()[:, None]
     token_of_pos = order[pos.clamp(max=n_assign - 1)] // k
     send = _rows_or_zero(x, token_of_pos, sent).flatten(0, 1)
 
