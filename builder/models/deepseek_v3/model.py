@@ -13,7 +13,7 @@ from torch import nn
 
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
 from titan.builder.models.deepseek_v3.moe import MoE, SwiGLU
-from titan.builder.models.llama3 import RMSNorm, apply_rope
+from titan.builder.models.llama3.model import RMSNorm, apply_rope
 from titan.runtime.ops import causal_attention
 
 
