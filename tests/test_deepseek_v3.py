@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 from titan.builder.models.deepseek_v3.config import FLAVORS
 from titan.builder.models.deepseek_v3.dispatch import make_plan
 from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param, set_dispatch
-from titan.builder.models.deepseek_v3.model import DeepSeekV3, init_specs
+from titan.builder.models.deepseek_v3 import SPEC
+from titan.builder.models.deepseek_v3.init import init_specs
+from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.runtime.init import full_param
 
 CFG = FLAVORS["debug"]
@@ -103,6 +105,26 @@ def test_expert_parallel_step_matches_single_rank_and_its_graphs_match_eager(tmp
         for fqn, buf in ref_buffers.items():
             assert torch.equal(out["eager.buffer." + fqn], buf), f"{fqn} differs on rank {rank}"
     assert int(ranks[0]["eager.buffer.layers.1.feed_forward.tokens_per_expert"].sum()) == BATCH * SEQ * CFG.top_k
+
+
+@pytest.mark.parametrize("flavor", sorted(FLAVORS))
+def test_spec_initializes_every_parameter_of_each_flavor(flavor):
+    cfg = FLAVORS[flavor]
+    with torch.device("meta"):
+        model = SPEC.build(cfg)
+    assert set(SPEC.init_specs(cfg)) == {fqn for fqn, _ in model.named_parameters()}
+    assert SPEC.config_from_dict(cfg.as_dict()) == cfg
+    assert len(model.moe_layers()) == cfg.n_moe_layers
+
+
+def test_spec_refuses_layouts_it_cannot_build():
+    from titan.runtime.layout import Layout
+
+    SPEC.check_layout(CFG, Layout(dp_shard=2))
+    with pytest.raises(ValueError, match="no tensor-parallel plan yet; build it with --tp 1"):
+        SPEC.check_layout(CFG, Layout(tp=2))
+    with pytest.raises(ValueError, match=r"--dp-shard 3 does not divide the embedding rows \(512\)"):
+        SPEC.check_layout(CFG, Layout(dp_shard=3))
 
 
 def test_dispatch_plan_sizes():
