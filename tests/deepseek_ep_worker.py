@@ -1,6 +1,6 @@
 """One rank of a DeepSeek-V3 step with expert parallelism over gloo (tests start it).
 
-    python deepseek_ep_worker.py DIR [--ep N] [--capacity-factor F] [--graph]
+    python deepseek_ep_worker.py DIR [--ep N] [--capacity-factor F] [--graph [--ac POLICY]]
 
 Reads DIR/weights.safetensors (global weights and balancing biases, titan names) and
 DIR/batch.safetensors (the global tokens and labels). Every rank is data parallel and takes
@@ -30,7 +30,9 @@ from titan.builder.graph_writer import encode_graph
 from titan.builder.models.deepseek_v3.config import FLAVORS
 from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param, set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
-from titan.builder.trace import copy_graph_module
+from titan.builder.checkpointing import tag_activation_checkpointing
+from titan.builder.models.deepseek_v3 import SPEC
+from titan.builder.trace import copy_graph_module, module_provenance
 from titan.runtime.graph_format import load_graph
 
 
@@ -64,19 +66,23 @@ def eager_step(step: Step) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {fqn: p.grad for fqn, p in step.model.named_parameters()}
 
 
-def graph_step(step: Step, traced: Step, groups: dict[str, str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Export `traced` (the same rank on the meta device), write and read back its forward and
-    backward graphs, and run them on `step`'s parameters and buffers; the buffers' new values
-    (the input mutations the forward returns) are copied back, as a runtime would."""
+def graph_step(step: Step, traced: Step, groups: dict[str, str], ac: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Export `traced` (the same rank on the meta device) with activation-checkpointing policy
+    `ac`, write and read back its forward and backward graphs, and run them on `step`'s
+    parameters and buffers; the buffers' new values (the input mutations the forward returns)
+    are copied back after the backward, as a runtime must."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         traced.model.to_empty(device="cpu")
         example = torch.empty_like(step.tokens, device="cpu")
     with contextlib.ExitStack() as stack:
+        stack.enter_context(module_provenance(traced.model))
         joint = aot_export_joint_with_descriptors(stack, traced.model, (example, example)).graph_module
         inputs = [n.meta["desc"] for n in joint.graph.nodes if n.op == "placeholder"]
         outputs = next(n for n in joint.graph.nodes if n.op == "output").meta["desc"]
         mutated = [d.mutated_input.target for d in outputs if type(d).__name__ == "InputMutationAOTOutput"]
-        fw, bw = min_cut_rematerialization_partition(copy_graph_module(joint), None, num_fwd_outputs=len(mutated) + 1)
+        joint = copy_graph_module(joint)
+        tag_activation_checkpointing(joint, ac, ac_block=SPEC.ac_block)
+        fw, bw = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=len(mutated) + 1)
     names = {real: dim for dim, real in groups.items()}
     fw, bw = (load_graph(encode_graph(g, group_names=names), device=torch.device("cpu"), groups=groups) for g in (fw, bw))
     params, buffers = dict(step.model.named_parameters()), dict(step.model.named_buffers())
@@ -85,10 +91,12 @@ def graph_step(step: Step, traced: Step, groups: dict[str, str]) -> tuple[torch.
             for d in inputs if type(d).__name__ != "TangentAOTInput"]
     with torch.no_grad():
         out = fw(*[a.detach() for a in args])
-        for fqn, value in zip(mutated, out):
-            buffers[fqn].copy_(value)
         loss, saved = out[len(mutated)], out[len(mutated) + 1:]
         grads = bw(*saved, torch.ones_like(loss))
+        # Only after the backward: with activation checkpointing it recomputes the routing from
+        # the old balancing bias, which it holds as a saved input (the buffer itself).
+        for fqn, value in zip(mutated, out):
+            buffers[fqn].copy_(value)
     forward_inputs = [d for d in inputs if type(d).__name__ != "TangentAOTInput"]
     return loss, {d.target: g for d, g in zip(forward_inputs, grads) if type(d).__name__ == "ParamAOTInput"}
 
@@ -99,6 +107,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: the world size)")
     parser.add_argument("--capacity-factor", type=float, default=None)
     parser.add_argument("--graph", action="store_true", help="also run the step as exported graphs")
+    parser.add_argument("--ac", default="none", help="the graphs' activation-checkpointing policy")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,7 +121,7 @@ def main() -> None:
     out = {}
     modes = {"eager": lambda s: eager_step(s)}
     if args.graph:
-        modes["graph"] = lambda s: graph_step(s, Step(args, ep_group, device="meta"), groups)
+        modes["graph"] = lambda s: graph_step(s, Step(args, ep_group, device="meta"), groups, args.ac)
     for mode, run in modes.items():
         step = Step(args, ep_group)
         loss, grads = run(step)

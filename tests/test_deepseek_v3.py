@@ -71,13 +71,14 @@ def _run_ep_ranks(work: Path, state: dict, batch: dict, *, world: int = 2, extra
     return [load_file(work / f"rank{r}.safetensors") for r in range(world)]
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)], ids=["ep2", "dp2xep2"])
-def test_expert_parallel_step_matches_single_rank_and_its_graphs_match_eager(tmp_path, world, ep):
+@pytest.mark.parametrize("world,ep,ac", [(2, 2, "none"), (4, 2, "full")], ids=["ep2", "dp2xep2-ac-full"])
+def test_expert_parallel_step_matches_single_rank_and_its_graphs_match_eager(tmp_path, world, ep, ac):
     """ep=2 (each rank: half the batch, half the experts) and data parallel 2 x ep=2 (each rank
     a quarter of the batch, half the experts, replicated twice) against one rank with everything;
     and on every rank, the step as exported graphs (forward + backward, written in the titan
-    graph format and read back) against the eager step: bitwise, loss, every gradient and every
-    MoE buffer (the balancing-bias update included).
+    graph format and read back; the second with full activation checkpointing, so the backward
+    recomputes the routing and the dispatch) against the eager step: bitwise, loss, every
+    gradient and every MoE buffer (the balancing-bias update included).
 
     Not bitwise: the two ranks' losses and data-parallel gradients are summed across ranks in a
     different order than one rank sums them, and each expert's GEMM sees a different row count
@@ -87,7 +88,7 @@ def test_expert_parallel_step_matches_single_rank_and_its_graphs_match_eager(tmp
     """
     state, batch = _weights(), _batch()
     ref = _single_rank_step(state, batch)
-    ranks = _run_ep_ranks(tmp_path / "ep", state, batch, world=world, extra=("--ep", str(ep), "--graph"))
+    ranks = _run_ep_ranks(tmp_path / "ep", state, batch, world=world, extra=("--ep", str(ep), "--graph", "--ac", ac))
     for rank, out in enumerate(ranks):
         eager = sorted(k for k in out if k.startswith("eager."))
         assert [k.replace("eager.", "graph.", 1) for k in eager] == sorted(k for k in out if k.startswith("graph."))
