@@ -140,8 +140,9 @@ def test_dispatch_plan_sizes():
     assert make_plan(n_experts=8, ep=2, tokens=32, top_k=3, capacity_factor=10.0).capacity == 96
     with pytest.raises(ValueError, match="does not divide the 8 routed experts"):
         make_plan(n_experts=8, ep=3, tokens=32, top_k=3)
-    with pytest.raises(ValueError, match="capacity factor must be > 0"):
-        make_plan(n_experts=8, ep=2, tokens=32, top_k=3, capacity_factor=0.0)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="capacity factor must be a positive number"):
+            make_plan(n_experts=8, ep=2, tokens=32, top_k=3, capacity_factor=bad)
 
 
 def _skewed_bias() -> dict[str, torch.Tensor]:

@@ -81,8 +81,8 @@ def make_plan(*, n_experts: int, ep: int, tokens: int, top_k: int,
     if capacity_factor is None:
         capacity = bound
     else:
-        if not capacity_factor > 0:
-            raise ValueError(f"the capacity factor must be > 0, got {capacity_factor}; e.g. 1.25")
+        if not 0 < capacity_factor < math.inf:
+            raise ValueError(f"the capacity factor must be a positive number, got {capacity_factor}; e.g. 1.25")
         capacity = min(bound, max(1, math.ceil(capacity_factor * tokens * top_k / ep)))
     return DispatchPlan(n_experts=n_experts, ep=ep, tokens=tokens, top_k=top_k, capacity=capacity)
 
