@@ -78,3 +78,8 @@ torch.library.register_autograd("titan::attention", _backward, setup_context=_se
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.ops.titan.attention(q, k, v)[0]
+
+
+# The other titan:: op, the mixture-of-experts grouped GEMM, has its own module; importing this
+# one registers every op a graph may call.
+import titan.runtime.grouped_mm  # noqa: E402,F401
