@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 
 def check_layout(cfg: LlamaConfig, layout: Layout) -> None:
-    """Raise ValueError, naming the reason, when the layout does not divide the model."""
+    """Raise ValueError, naming the reason, when the layout does not fit the model (a --tp that
+    does not divide it)."""
     for name in MESH_DIMS:
         if getattr(layout, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(layout, name)}")
@@ -25,18 +26,4 @@ def check_layout(cfg: LlamaConfig, layout: Layout) -> None:
     for value, what in checks:
         if value % tp:
             raise ValueError(f"--tp {tp} does not divide the {what} ({value}); pick a --tp that divides it")
-    shard = layout.dp_shard
-    # FSDP shards dim 0 of each parameter's tensor-parallel slice.
-    dim0s = {
-        "embedding rows": cfg.vocab_size // tp,
-        "model width": cfg.dim,
-        "query projection rows": cfg.n_heads * cfg.head_dim // tp,
-        "key/value projection rows": cfg.n_kv_heads * cfg.head_dim // tp,
-        "feed-forward rows": cfg.ffn_hidden // tp,
-        "output rows": cfg.vocab_size // tp,
-    }
-    for what, value in dim0s.items():
-        if value % shard:
-            raise ValueError(
-                f"--dp-shard {shard} does not divide the {what} ({value}) of this model; "
-                "pick a --dp-shard that divides it")
+    # dp_shard need not divide anything: FSDP pads uneven shards to full chunks (runtime/shards.py).

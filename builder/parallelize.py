@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
+from titan.runtime.init import shard_of
 from titan.runtime.layout import DP_DIMS, Layout
 
 
@@ -33,11 +34,12 @@ class ParamShard:
     global_shape: tuple[int, ...]
     """Shape of the unsharded parameter."""
     local_shape: tuple[int, ...]
-    """Shape of this rank's shard."""
+    """Shape of this rank's shard (full chunks: padded where a cut does not divide)."""
     placements: dict[str, str]
     """Per mesh dimension: 'R' (replicated) or 'S(d)' (sharded on tensor dim d)."""
     slices: tuple[tuple[int, int, int], ...]
-    """(dim, parts, index) applied in order to the global tensor to cut this shard."""
+    """(dim, parts, index) applied in order to the global tensor to cut this shard
+    (runtime/shards.py `shard_box`)."""
 
 
 def _placement_str(p) -> str:
@@ -54,12 +56,17 @@ class _ShardedParamAccess:
     the fp32 shard is cast to the compute dtype before the all-gather, and its gradient is
     reduced (reduce-scatter / all-reduce over data parallel) in fp32. Tensor-parallel
     reductions run in the compute dtype, like the activations they come from.
+
+    Shards of dim-0 size `rows` that dp_shard does not divide are padded chunks, as in FSDP2:
+    the all-gather moves equal chunks, and the gathered tensor is cut back to `rows`. The cut
+    is the same on every rank (the graph stays rank-agnostic).
     """
 
-    def __init__(self, *, dp_mesh: DeviceMesh | None, dp_placements: tuple, tp_mesh: DeviceMesh | None,
+    def __init__(self, *, dp_mesh: DeviceMesh | None, dp_placements: tuple, rows: int, tp_mesh: DeviceMesh | None,
                  tp_placements: tuple, compute_dtype: torch.dtype):
         self.dp_mesh = dp_mesh
         self.dp_placements = dp_placements
+        self.rows = rows
         self.tp_mesh = tp_mesh
         self.tp_placements = tp_placements
         self.compute_dtype = compute_dtype
@@ -73,6 +80,10 @@ class _ShardedParamAccess:
             full = sharded.redistribute(self.dp_mesh, (Replicate(),) * n, forward_dtype=cast,
                                         backward_dtype=x.dtype if cast else None)
             x = full.to_local(grad_placements=(Partial(),) * n)
+            if x.shape[0] != self.rows:
+                # Uneven FSDP shards were padded to equal chunks: drop the padding rows. Their
+                # gradient is zero (narrow's backward), so reduce-scatter keeps the padding zero.
+                x = x.narrow(0, 0, self.rows)
         elif x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         if self.tp_mesh is not None:
@@ -139,13 +150,14 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coord
                 else:
                     dp_placements.append(Replicate())
                     placements[dp_name] = "R"
+            rows = local.shape[0]
             if "dp_shard" in dp_names:
-                size = local.shape[0] // layout.dp_shard
-                local = local.narrow(0, coords["dp_shard"] * size, size)
+                # torch.chunk's cut, zero-padded to a full chunk where it does not divide (FSDP2).
+                local = shard_of(local.detach(), [[0, layout.dp_shard, coords["dp_shard"]]])
             module._parameters[pname] = nn.Parameter(local.detach().clone() if local.device.type != "meta"
                                                      else torch.empty_like(local), requires_grad=True)
             _install_access(module, pname, _ShardedParamAccess(
-                dp_mesh=dp_mesh, dp_placements=tuple(dp_placements),
+                dp_mesh=dp_mesh, dp_placements=tuple(dp_placements), rows=rows,
                 tp_mesh=tp_mesh if tp_placements else None, tp_placements=tp_placements,
                 compute_dtype=compute_dtype))
             shards.append(ParamShard(fqn=fqn, global_shape=global_shape,

@@ -5,7 +5,8 @@ On disk, `--checkpoint-dir DIR` holds one directory per saved step:
     DIR/step-00000003/shard-0000R-model-00001-of-00001.safetensors   (DCP, one file per writing rank)
     DIR/step-00000003/titan.json                                      (step, layout, model config, ...)
 
-Every local shard is a box of its global tensor (runtime/init.py `shard_box`); DCP's plans are
+Every local shard is a box of its global tensor (runtime/shards.py `shard_box`), padded where
+an FSDP cut does not divide; only the box's real rows are saved and loaded. DCP's plans are
 made from those boxes (runtime/dcp_boxes.py), so the checkpoint describes global boxes and loads
 into any layout (DCP reads the intersections). Boxes held by several ranks (replicated
 parameters) are written once (DCP deduplicates equal boxes). The files are written through DCP's safetensors storage:
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan.runtime.init import shard_box
+from titan.runtime.shards import shard_box
 
 STATE_FILE = "titan.json"
 CHECKPOINT_FORMAT = "titan-checkpoint"
@@ -135,10 +136,13 @@ def dcp_state(params: list[dict], tensors: list[torch.Tensor], optimizer) -> tup
     state, boxes = {}, {}
     for meta, p, m, v in zip(params, tensors, optimizer.exp_avg, optimizer.exp_avg_sq):
         fqn = meta["fqn"]
-        offsets, sizes = shard_box(meta["slices"], meta["global_shape"])
+        box = shard_box(meta["slices"], meta["global_shape"])
+        if box.empty:  # a trailing FSDP part with no real rows: nothing of this tensor to save or load
+            continue
         for key, t in ((f"model.{fqn}", p), (f"optim.exp_avg.{fqn}", m), (f"optim.exp_avg_sq.{fqn}", v)):
-            state[key] = t
-            boxes[key] = (offsets, sizes, list(meta["global_shape"]))
+            # Only the real rows (a view: loading fills the live tensor); padding stays zero.
+            state[key] = t[box.local_index()] if box.padded else t
+            boxes[key] = (list(box.offsets), list(box.sizes), list(meta["global_shape"]))
     return state, boxes
 
 

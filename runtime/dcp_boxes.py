@@ -1,11 +1,11 @@
 """DCP planners that place each local tensor as a box (offsets, sizes) of its global tensor.
 
 titan's shards are plain local tensors whose place in the global tensor follows from the
-artifact's `slices` (runtime/init.py `shard_box`). DCP's own types for that (DTensor placements,
-ShardedTensor) cannot state "this box" directly: a tp slice followed by an FSDP cut of it needs
-strided placements, and ShardedTensor insists that one rank's view covers the tensor without
-overlap, while replicated parameters are held whole by several ranks. So the plans are made
-here from the boxes, with DCP's public plan types; DCP deduplicates equal boxes written by
+artifact's `slices` (runtime/shards.py `shard_box`; padding rows are not part of the box). DCP's
+own types for that (DTensor placements, ShardedTensor) cannot state "this box" directly: a tp
+slice followed by an FSDP cut of it needs strided placements, and ShardedTensor insists that
+one rank's view covers the tensor without overlap, while replicated parameters are held whole
+by several ranks. So the plans are made here from the boxes, with DCP's public plan types; DCP deduplicates equal boxes written by
 several ranks and, on load, reads the intersection of each local box with the saved ones
 (resharding across layouts).
 

@@ -7,8 +7,9 @@ config.json values that describe the same model) comes from the artifact's manif
 runtime never imports model code.
 
 Only JSON (config.json, model.safetensors.index.json) and safetensors headers and slices are
-read: no pickle. Each parameter's shard is a box of the global tensor (runtime/init.py
-`shard_box`), read with `safe_open(...).get_slice`, so a rank reads only what it holds.
+read: no pickle. Each parameter's shard is a box of the global tensor (runtime/shards.py
+`shard_box`), read with `safe_open(...).get_slice`, so a rank reads only what it holds (and
+pads it as FSDP's uneven cuts require).
 
 Hugging Face stores Llama's q_proj / k_proj rows permuted for its rotate-half RoPE (the record's
 `rope_permuted`: parameter -> head size): within each head, HF row j * (head_dim / 2) + i holds
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from titan.runtime.init import shard_box
+from titan.runtime.init import pad_shard
+from titan.runtime.shards import ShardBox, shard_box
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -185,19 +187,24 @@ class HFCheckpoint:
     def read_shard(self, param: dict, *, device: torch.device) -> torch.Tensor:
         """This rank's shard of `param` (artifact rank metadata), read as a box of the HF tensor."""
         name = self.check_shape(param)
-        offsets, sizes = shard_box(param["slices"], param["global_shape"])
-        box = [slice(o, o + s) for o, s in zip(offsets, sizes)]
+        box = shard_box(param["slices"], param["global_shape"])
         dtype = getattr(torch, param.get("dtype", "float32"))
-        hd = self.rope_permuted.get(param["fqn"])
+        return pad_shard(self._read_box(name, param["fqn"], box).to(device=device, dtype=dtype), box)
+
+    def _read_box(self, name: str, fqn: str, box: ShardBox) -> torch.Tensor:
+        index = box.global_index()
+        if box.empty:
+            return torch.empty(box.sizes)
+        hd = self.rope_permuted.get(fqn)
         if hd is None:
-            return self._slice(name)[tuple(box)].to(device=device, dtype=dtype).contiguous()
+            return self._slice(name)[index]
         # Rows of a head are permuted: read the whole heads that the box's rows touch, then pick.
-        first, stop = offsets[0], offsets[0] + sizes[0]
+        first, stop = box.offsets[0], box.offsets[0] + box.sizes[0]
         head0, head1 = first // hd, -(-stop // hd)
-        block = self._slice(name)[(slice(head0 * hd, head1 * hd), *box[1:])]
+        block = self._slice(name)[(slice(head0 * hd, head1 * hd), *index[1:])]
         rows = torch.arange(first, stop)
         picked = (rows // hd - head0) * hd + titan_rows_from_hf(hd)[rows % hd]
-        return block[picked].to(device=device, dtype=dtype).contiguous()
+        return block[picked]
 
     def close(self) -> None:
         for f in self._open.values():

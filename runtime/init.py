@@ -1,8 +1,9 @@
 """Materialize this rank's parameter shards from a seed and the artifact's init specs.
 
 Each parameter's full tensor is drawn on the run device from its own generator, seeded by
-(seed, parameter name), then cut to this rank's shard. The values therefore do not depend on
-the layout: every layout (and a single process) starts from the same global weights.
+(seed, parameter name), then cut to this rank's shard (zero-padded where an FSDP cut does not
+divide). The values therefore do not depend on the layout: every layout (and a single process)
+starts from the same global weights.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
+
+from titan.runtime.shards import ShardBox, shard_box
 
 
 def param_seed(seed: int, fqn: str) -> int:
@@ -33,23 +36,24 @@ def full_param(spec: dict, shape: list[int], *, fqn: str, seed: int, device: tor
     raise ValueError(f"unknown init kind {kind!r} for {fqn}")
 
 
-def shard_box(slices: list[list[int]], global_shape: list[int]) -> tuple[list[int], list[int]]:
-    """Where the shard that the (dim, parts, index) cuts, applied in order, leave of the global
-    tensor lies in it: (offsets, sizes) per dim. Every shard is such a box: each cut narrows
-    one dim of the previous box."""
-    offsets, sizes = [0] * len(global_shape), list(global_shape)
-    for dim, parts, index in slices:
-        sizes[dim] //= parts
-        offsets[dim] += index * sizes[dim]
-    return offsets, sizes
-
-
 def shard_of(full: torch.Tensor, slices: list[list[int]]) -> torch.Tensor:
-    """This shard of `full`; a sliced shard is copied so that the full tensor can be freed."""
+    """This rank's local tensor of `full`: its box, padded with zeros to full chunks where a
+    cut does not divide (runtime/shards.py). A sliced shard is a copy, so that the full tensor
+    can be freed."""
     if not slices:
         return full
-    offsets, sizes = shard_box(slices, list(full.shape))
-    return full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone(memory_format=torch.contiguous_format)
+    box = shard_box(slices, list(full.shape))
+    return pad_shard(full[box.global_index()], box)
+
+
+def pad_shard(real: torch.Tensor, box: ShardBox) -> torch.Tensor:
+    """The local tensor holding `real` (the box's rows): a contiguous copy, zero-padded to the
+    box's local shape."""
+    if not box.padded:
+        return real.clone(memory_format=torch.contiguous_format)
+    local = torch.zeros(box.local_shape, dtype=real.dtype, device=real.device)
+    local[box.local_index()] = real
+    return local
 
 
 def materialize(param: dict, *, seed: int, device: torch.device) -> torch.Tensor:

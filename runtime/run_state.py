@@ -66,8 +66,8 @@ class RunState:
 
     def load_param(self, param: dict) -> torch.Tensor:
         """This rank's initial shard of one parameter."""
-        if self.resume_from is not None:  # filled by restore()
-            return torch.empty(param["local_shape"], dtype=getattr(torch, param.get("dtype", "float32")),
+        if self.resume_from is not None:  # filled by restore(); FSDP padding rows stay zero
+            return torch.zeros(param["local_shape"], dtype=getattr(torch, param.get("dtype", "float32")),
                                device=self.device)
         if self.hf is not None:
             return self.hf.read_shard(param, device=self.device)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from titan.runtime.graph_doc import MAX_ELEMENTS
 from titan.runtime.layout import MESH_DIMS, Layout
+from titan.runtime.shards import shard_box
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -100,19 +101,17 @@ def _check_param(p, where: str) -> None:
         _fail(where, "parameter entry without a name")
     where = f"{where} parameter {p['fqn'][:80]}"
     global_shape = _shape(p.get("global_shape"), where)
-    local = list(global_shape)
     slices = p.get("slices")
     if not isinstance(slices, list) or len(slices) > 4:
         _fail(where, "bad slices")
     for cut in slices:
         if not isinstance(cut, list) or len(cut) != 3:
             _fail(where, f"bad slice {cut!r}")
-        dim = _int(cut[0], where, 0, len(local) - 1)
+        dim = _int(cut[0], where, 0, len(global_shape) - 1)
         parts = _int(cut[1], where, 1, 1 << 16)
         _int(cut[2], where, 0, parts - 1)
-        if local[dim] % parts:
-            _fail(where, f"slice {cut} does not divide dimension {local[dim]}")
-        local[dim] //= parts
+    # A cut that does not divide its dim leaves padded chunks (runtime/shards.py), as FSDP2 does.
+    local = list(shard_box(slices, global_shape).local_shape)
     if local != _shape(p.get("local_shape"), where):
         _fail(where, f"slices of {global_shape} give {local}, not local_shape {p.get('local_shape')}")
     init = p.get("init")

@@ -72,10 +72,12 @@ def test_resume_continues_with_the_uninterrupted_losses(debug_artifact, tmp_path
     assert (state["step"], state["optimizer_steps"], state["layout"]["tp"]) == (6, 6, 2)
 
 
-def test_tp_checkpoint_trains_on_fsdp_like_a_fresh_fsdp_run(debug_artifact, tmp_path):
-    """The seeded initial weights, checkpointed by tp=2 (step 0), resumed on dp_shard=2: the
-    same losses, bit for bit, as dp_shard=2 starting from the seed itself."""
-    tp, fsdp = debug_artifact(tp=2), debug_artifact(dp_shard=2)
+@pytest.mark.parametrize("dp_shard", [2, 3])
+def test_tp_checkpoint_trains_on_fsdp_like_a_fresh_fsdp_run(dp_shard, debug_artifact, tmp_path):
+    """The seeded initial weights, checkpointed by tp=2 (step 0), resumed on dp_shard=2 (or on
+    dp_shard=3, whose shards are padded): the same losses, bit for bit, as that layout starting
+    from the seed itself."""
+    tp, fsdp = debug_artifact(tp=2), debug_artifact(dp_shard=dp_shard)
     ckpt, resumed, fresh = tmp_path / "ckpt", tmp_path / "resumed.jsonl", tmp_path / "fresh.jsonl"
     _run(tp, "--steps", 0, "--checkpoint-dir", ckpt)
     _run(fsdp, "--steps", 3, "--checkpoint-dir", ckpt, "--resume", "--metrics", resumed)
@@ -83,12 +85,14 @@ def test_tp_checkpoint_trains_on_fsdp_like_a_fresh_fsdp_run(debug_artifact, tmp_
     assert _losses(resumed) == _losses(fresh)
 
 
-def test_reshard_fsdp_checkpoint_to_tp_exactly(debug_artifact, tmp_path):
+@pytest.mark.parametrize("dp_shard, fsdp_rows", [(2, {128}), (3, {86, 84})])
+def test_reshard_fsdp_checkpoint_to_tp_exactly(dp_shard, fsdp_rows, debug_artifact, tmp_path):
     """A trained dp_shard=2 checkpoint (parameters and AdamW state) loaded by tp=2 ranks and
-    saved again holds exactly the same global tensors, though cut into other boxes."""
+    saved again holds exactly the same global tensors, though cut into other boxes. With
+    dp_shard=3 the shards are padded, and only their real rows are saved."""
     from titan.runtime.checkpoint import load_full
 
-    tp, fsdp = debug_artifact(tp=2), debug_artifact(dp_shard=2)
+    tp, fsdp = debug_artifact(tp=2), debug_artifact(dp_shard=dp_shard)
     ckpt, out = tmp_path / "ckpt", tmp_path / "resharded"
     _run(fsdp, "--steps", 2, "--checkpoint-dir", ckpt)
     probe = tmp_path / "probe.py"
@@ -108,7 +112,7 @@ def test_reshard_fsdp_checkpoint_to_tp_exactly(debug_artifact, tmp_path):
         fsdp_box = f.get_slice("model.layers.0.attention.wo.weight").get_shape()
     with safe_open(next((out / "step-00000002").glob("*.safetensors")), "pt") as f:
         tp_box = f.get_slice("model.layers.0.attention.wo.weight").get_shape()
-    assert (fsdp_box, tp_box) == ([128, 256], [256, 128])
+    assert fsdp_box[0] in fsdp_rows and (fsdp_box[1], tp_box) == (256, [256, 128])
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
@@ -167,14 +171,43 @@ def test_bad_checkpoints_are_refused_and_nothing_is_lost(debug_artifact, tmp_pat
     assert {k: v for k, v in _tree_digest(ckpt).items() if k.startswith("step-00000002")} == digest
 
 
-@pytest.mark.parametrize("slices", [[], [[0, 2, 1]], [[1, 2, 0], [0, 2, 1]], [[0, 2, 1], [0, 4, 3]], [[1, 4, 2], [0, 8, 7]]])
+@pytest.mark.parametrize("slices", [[], [[0, 2, 1]], [[1, 2, 0], [0, 2, 1]], [[0, 2, 1], [0, 4, 3]], [[1, 4, 2], [0, 8, 7]],
+                                    [[0, 3, 2]], [[1, 2, 1], [0, 5, 4]], [[0, 48, 31]], [[0, 48, 47]]])
 def test_a_shard_is_the_box_its_slices_describe(slices):
-    from titan.runtime.init import shard_box, shard_of
+    """FSDP2's cut: torch.chunk's rows for each part, zero-padded to a full chunk."""
+    from titan.runtime.init import shard_of
+    from titan.runtime.shards import shard_box
 
-    full = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
-    offsets, sizes = shard_box(slices, [64, 32])
-    box = full[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
-    assert torch.equal(box, shard_of(full, slices))
+    full = torch.arange(1, 64 * 32 + 1, dtype=torch.float32).view(64, 32)
+    box = shard_box(slices, [64, 32])
+    expected = full
+    for dim, parts, index in slices:
+        pieces = expected.chunk(parts, dim)
+        expected = pieces[index] if index < len(pieces) else expected.narrow(dim, 0, 0)
+    assert list(box.sizes) == list(expected.shape)
+    assert torch.equal(full[box.offsets[0]:, box.offsets[1]:][:box.sizes[0], :box.sizes[1]], expected)
+    local = shard_of(full, slices)
+    assert list(local.shape) == list(box.local_shape)
+    assert torch.equal(local[:box.sizes[0], :box.sizes[1]], expected)
+    assert local.count_nonzero() == expected.numel(), "padding rows are zero"
+
+
+def test_only_real_rows_of_padded_shards_are_checkpointed():
+    """A padded shard saves and loads its real rows (a view of the live tensor); a trailing
+    part with no real rows has nothing to checkpoint."""
+    from titan.runtime.checkpoint import dcp_state
+    from titan.runtime.train import make_optimizer
+
+    params = [dict(fqn="a", global_shape=[64, 32], slices=[[0, 3, 2]]),   # rows 44..63 of a 22-row chunk
+              dict(fqn="b", global_shape=[64, 32], slices=[[0, 48, 47]]),  # past the last row: empty
+              dict(fqn="c", global_shape=[64, 32], slices=[[0, 2, 1]])]    # even: the whole tensor
+    tensors = [torch.zeros(22, 32), torch.zeros(2, 32), torch.zeros(32, 32)]
+    state, boxes = dcp_state(params, tensors, make_optimizer(tensors, 0.0))
+    assert sorted(state) == sorted(f"{family}.{fqn}" for family in FAMILIES for fqn in "ac")
+    assert boxes["model.a"] == ([44, 0], [20, 32], [64, 32]) and boxes["model.c"] == ([32, 0], [32, 32], [64, 32])
+    state["model.a"].fill_(1.0)  # what a load does to it
+    assert tensors[0][:20].eq(1).all() and tensors[0][20:].eq(0).all()
+    assert state["model.c"] is tensors[2]
 
 
 @pytest.mark.parametrize("args, words", [

@@ -119,12 +119,13 @@ def _hf_tensors(path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("layout, source, dtype", [(dict(tp=2), "fp32", "fp32"), (dict(dp_shard=2), "bf16", "bf16")],
-                         ids=["tp2-fp32", "dp_shard2-bf16-sharded"])
+@pytest.mark.parametrize("layout, source, dtype", [(dict(tp=2), "fp32", "fp32"), (dict(dp_shard=3), "bf16", "bf16")],
+                         ids=["tp2-fp32", "dp_shard3-bf16-sharded"])
 def test_export_round_trip_is_bit_exact(layout, source, dtype, hf_dir, debug_artifact, tmp_path):
     """HF -> titan-run --init-from-hf --steps 0 (checkpoints the loaded weights, trains nothing)
     -> titan-export -> every tensor equal to the original (bf16 weights are held exactly in the
-    fp32 master weights, so they come back exactly with --dtype bf16)."""
+    fp32 master weights, so they come back exactly with --dtype bf16). dp_shard=3 pads its
+    shards: only their real rows reach the checkpoint."""
     if source == "fp32":
         original_dir = hf_dir
     else:
@@ -146,10 +147,12 @@ def test_export_round_trip_is_bit_exact(layout, source, dtype, hf_dir, debug_art
     assert titan("export", ckpt, "--hf", out).returncode == 2, "an existing --hf directory is never overwritten"
 
 
-@pytest.mark.parametrize("slices", [[[0, 8, 3]], [[0, 2, 1], [0, 4, 2]], [[1, 2, 1], [0, 16, 5]], [[0, 4, 1]]])
+@pytest.mark.parametrize("slices", [[[0, 8, 3]], [[0, 2, 1], [0, 4, 2]], [[1, 2, 1], [0, 16, 5]], [[0, 4, 1]],
+                                    [[0, 3, 1]], [[0, 3, 2]], [[1, 2, 1], [0, 5, 4]], [[0, 160, 130]]])
 def test_shards_that_cut_heads_read_the_right_rows(slices, hf_dir):
-    """A shard may start or end inside a head (FSDP cuts dim 0 after tp): its rows are still
-    the right ones of the un-permuted tensor."""
+    """A shard may start or end inside a head (FSDP cuts dim 0 after tp, unevenly where it does
+    not divide): its rows are still the right ones of the un-permuted tensor, padded as the
+    seeded init pads them."""
     from titan.builder.models import model_spec
     from titan.runtime.hf_weights import HFCheckpoint, titan_rows_from_hf
     from titan.runtime.init import shard_of

@@ -45,6 +45,38 @@ def test_artifact_losses_equal_eager_at_every_step(layout, debug_artifact, tmp_p
     assert artifact[-1] < artifact[0], "the loss should fall over ten steps"
 
 
+def test_uneven_fsdp_shards_are_padded_and_equal_eager_on_every_rank(debug_artifact, tmp_path):
+    """dp_shard=3 divides no parameter's rows in the debug model (vocabulary 2048, width 256,
+    key/value rows 128, feed-forward 704): each rank holds torch.chunk's rows padded to a full
+    chunk, as FSDP2 does, and trains bit for bit like eager with the same sharding, every
+    step's loss and every parameter after the last step, on each of the three ranks."""
+    art = debug_artifact(dp_shard=3)
+    last = json.loads((art / "ranks" / "rank2.json").read_text())
+    shapes = {p["fqn"]: (p["global_shape"], p["local_shape"]) for p in last["params"]}
+    assert shapes["tok_embeddings.weight"] == ([2048, 256], [683, 256])  # rows 1366..2047 and 1 row of padding
+    assert shapes["layers.0.feed_forward.w1.weight"] == ([704, 256], [235, 256])
+    out = tmp_path / "verify.json"
+    r = titan("verify", art, "--steps", 4, "--json", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bitwise equal: yes" in r.stdout
+    assert "parameters after step 4: all bitwise equal (21 tensors per rank, 3 ranks)" in r.stdout
+    result = json.loads(out.read_text())
+    assert result["parameters_differing"] == 0 and len(result["eager"]) == 4
+    assert result["eager"] == result["artifact"]
+
+
+def test_405b_at_tp8_dp_shard_128_is_a_valid_layout():
+    """The embedding's 16,032 rows per tp shard do not divide by 128: FSDP pads, titan builds."""
+    from titan.builder.build import make_spec
+    from titan.runtime.shards import shard_box
+
+    spec = make_spec(model="llama3", flavor="405B", tp=8, dp_shard=128, dp_replicate=1, batch_size=None,
+                     seq_len=None)
+    assert spec.layout.world_size == 1024
+    last = shard_box([[0, 8, 7], [0, 128, 127]], [128256, 16384])
+    assert (last.offsets, last.sizes, last.local_shape) == ((128226, 0), (30, 16384), (126, 16384))
+
+
 def test_hsdp_losses_equal_eager(debug_artifact, tmp_path):
     art = debug_artifact(dp_replicate=2, dp_shard=2)
     r = titan("verify", art, "--steps", 3)
