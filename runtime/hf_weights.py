@@ -33,17 +33,25 @@ RECORD = "hf_checkpoint"
 """The manifest (and checkpoint description) field that holds the model's Hugging Face record."""
 
 
+def _str_map(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+
 def hf_record(source: dict, where: str) -> dict:
-    """The model's Hugging Face record from a manifest or checkpoint description, checked."""
+    """The model's Hugging Face record from a manifest or checkpoint description, checked (it is
+    untrusted input like the rest of the artifact)."""
     record = source.get(RECORD)
     if record is None:
         raise ValueError(f"{where}: this model has no Hugging Face counterpart in titan (or the artifact predates "
                          "it); rebuild the artifact with titan-build")
-    names, permuted = record.get("names") if isinstance(record, dict) else None, record.get("rope_permuted")
-    if (not isinstance(names, dict) or not isinstance(record.get("config"), dict)
-            or not isinstance(record.get("tied_names"), dict) or not isinstance(permuted, dict)
-            or not all(isinstance(v, int) and v > 1 and v % 2 == 0 for v in permuted.values())
-            or not isinstance(record.get("model_type"), str)):
+    ok = (isinstance(record, dict) and isinstance(record.get("model_type"), str)
+          and _str_map(record.get("names")) and _str_map(record.get("tied_names"))
+          and isinstance(record.get("config"), dict)
+          and all(isinstance(v, (str, int, float, bool)) for v in record["config"].values())
+          and isinstance(record.get("rope_permuted"), dict)
+          and all(isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= 1 << 16 and v % 2 == 0
+                  for v in record["rope_permuted"].values()))
+    if not ok:
         raise ValueError(f"{where}: malformed {RECORD} record; rebuild the artifact with titan-build")
     return record
 
@@ -191,6 +199,9 @@ class HFCheckpoint:
         hd = self.rope_permuted.get(param["fqn"])
         if hd is None:
             return self._slice(name)[tuple(box)].to(device=device, dtype=dtype).contiguous()
+        if param["global_shape"][0] % hd:
+            raise ValueError(f"--init-from-hf: the artifact permutes rows of {param['fqn']} in heads of {hd}, which "
+                             f"do not divide its {param['global_shape'][0]} rows; rebuild the artifact with titan-build")
         # Rows of a head are permuted: read the whole heads that the box's rows touch, then pick.
         first, stop = offsets[0], offsets[0] + sizes[0]
         head0, head1 = first // hd, -(-stop // hd)
