@@ -3,8 +3,8 @@ and write a titan checkpoint back in Hugging Face's layout (titan-export).
 
 What this needs of the model (each parameter's HF tensor name, which rows are permuted, the
 config.json values that describe the same model) comes from the artifact's manifest, the
-`hf_checkpoint` record the model's spec wrote at build time (builder/models/<model>/): the
-runtime never imports model code.
+record (runtime/hf_record.py) that the model's spec wrote at build time: the runtime never
+imports model code.
 
 Only JSON (config.json, model.safetensors.index.json) and safetensors headers and slices are
 read: no pickle. Each parameter's shard is a box of the global tensor (runtime/init.py
@@ -24,38 +24,12 @@ from pathlib import Path
 
 import torch
 
+from titan.runtime.hf_record import HFRecord, hf_record
 from titan.runtime.init import shard_box
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-RECORD = "hf_checkpoint"
-"""The manifest (and checkpoint description) field that holds the model's Hugging Face record."""
-
-
-def _str_map(v) -> bool:
-    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
-
-
-def hf_record(source: dict, where: str) -> dict:
-    """The model's Hugging Face record from a manifest or checkpoint description, checked (it is
-    untrusted input like the rest of the artifact)."""
-    record = source.get(RECORD)
-    if record is None:
-        raise ValueError(f"{where}: this model has no Hugging Face counterpart in titan (or the artifact predates "
-                         "it); rebuild the artifact with titan-build")
-    ok = (isinstance(record, dict) and isinstance(record.get("model_type"), str)
-          and _str_map(record.get("names")) and _str_map(record.get("tied_names"))
-          and isinstance(record.get("config"), dict)
-          and all(isinstance(v, (str, int, float, bool)) for v in record["config"].values())
-          and isinstance(record.get("rope_permuted"), dict)
-          and all(isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= 1 << 16 and v % 2 == 0
-                  for v in record["rope_permuted"].values()))
-    if not ok:
-        raise ValueError(f"{where}: malformed {RECORD} record; rebuild the artifact with titan-build")
-    return record
-
-
 def titan_rows_from_hf(head_dim: int) -> torch.Tensor:
     """Index i: the HF row (within a head) that holds titan row i."""
     return torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)
@@ -74,7 +48,7 @@ def to_hf_layout(full: torch.Tensor, head_dim: int | None) -> torch.Tensor:
     return rows.flatten(0, 1).contiguous()
 
 
-def check_hf_config(hf_dir: Path, record: dict) -> dict:
+def check_hf_config(hf_dir: Path, record: HFRecord) -> dict:
     """Read config.json and check it describes the artifact's model; returns it."""
     path = hf_dir / CONFIG
     if not path.is_file():
@@ -87,7 +61,7 @@ def check_hf_config(hf_dir: Path, record: dict) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"--init-from-hf {path} is not a JSON object; re-download or re-save the model")
     where = f"--init-from-hf {path}"
-    model_type = record["model_type"]
+    model_type = record.model_type
     if cfg.get("model_type", model_type) != model_type:
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not {model_type!r}; this artifact's model "
                          f"loads {model_type} checkpoints only")
@@ -100,7 +74,7 @@ def check_hf_config(hf_dir: Path, record: dict) -> dict:
     if rope_type not in (None, "default"):
         raise ValueError(f"{where}: RoPE scaling {rope_type!r} is not implemented by titan's models (plain "
                          "RoPE only); use a checkpoint without rope_scaling (e.g. Llama 3 8B, not 3.1)")
-    expected = record["config"]
+    expected = record.config
     # Hugging Face's defaults for fields a config may leave out (or null).
     given = {k: v for k, v in cfg.items() if v is not None}
     given.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
@@ -125,16 +99,15 @@ def check_hf_config(hf_dir: Path, record: dict) -> dict:
 class HFCheckpoint:
     """A Hugging Face model directory, opened for slice reads."""
 
-    def __init__(self, hf_dir: str | Path, *, record: dict):
-        """`record`: the artifact's hf_checkpoint record (hf_record)."""
+    def __init__(self, hf_dir: str | Path, *, record: HFRecord):
         self.root = Path(hf_dir)
         if not self.root.is_dir():
             raise ValueError(f"--init-from-hf {self.root}: no such directory")
         self.config = check_hf_config(self.root, record)
-        self.names = dict(record["names"])
+        self.names = dict(record.names)
         if self.config.get("tie_word_embeddings", False):
-            self.names.update(record["tied_names"])
-        self.rope_permuted = record["rope_permuted"]
+            self.names.update(record.tied_names)
+        self.rope_permuted = record.rope_permuted
         self.files = self._weight_map()
         self._open: dict[str, object] = {}
 
@@ -221,9 +194,9 @@ def hf_config_for(description: dict, *, dtype: str) -> dict:
     from one (--init-from-hf), with the model's values (its hf_checkpoint record) and dtype set."""
     record = hf_record(description, "titan-export")
     cfg = dict(description.get("hf_config") or {})
-    cfg.update(record["config"])
+    cfg.update(record.config)
     cfg.update({
-        "architectures": record.get("architectures", []), "model_type": record["model_type"],
+        "architectures": list(record.architectures), "model_type": record.model_type,
         # titan trains the output projection separately from the embedding.
         "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype,
     })
@@ -240,7 +213,7 @@ def export_hf(out: Path, description: dict, tensors: dict[str, torch.Tensor], *,
 
     record = hf_record(description, "titan-export")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = {record["names"][fqn]: to_hf_layout(t, record["rope_permuted"].get(fqn)).to(torch_dtype).contiguous()
+    hf = {record.names[fqn]: to_hf_layout(t, record.rope_permuted.get(fqn)).to(torch_dtype).contiguous()
           for fqn, t in tensors.items()}
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
