@@ -25,6 +25,7 @@ from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes import check_passes, default_passes
 from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
+from titan.runtime.hf_record import RECORD
 from titan.runtime.layout import Layout
 
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
@@ -162,6 +163,13 @@ def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:
                               "meta": meta_sha, "timings": res.timings})
 
 
+def _hf_record(spec: BuildSpec) -> dict | None:
+    family = spec.model_spec
+    if family.hf_checkpoint is None:
+        return None
+    return family.hf_checkpoint(spec.cfg, list(family.init_specs(spec.cfg))).to_json()
+
+
 def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
     return {
         "format": ARTIFACT_FORMAT,
@@ -181,8 +189,7 @@ def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
         "builder_version": factors["builder version"],
         "passes": list(spec.passes),
         # What the runtime needs of the model to read and write its Hugging Face checkpoints.
-        "hf_checkpoint": (spec.model_spec.hf_checkpoint(spec.cfg, list(spec.model_spec.init_specs(spec.cfg)))
-                          if spec.model_spec.hf_checkpoint else None),
+        RECORD: _hf_record(spec),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -1,4 +1,4 @@
-"""titan-export: a titan checkpoint as a Hugging Face Llama directory (single process, no GPU)."""
+"""titan-export: a titan checkpoint as a Hugging Face model directory (single process, no GPU)."""
 
 from __future__ import annotations
 

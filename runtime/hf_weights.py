@@ -3,8 +3,8 @@ and write a titan checkpoint back in Hugging Face's layout (titan-export).
 
 What this needs of the model (each parameter's HF tensor name, which rows are permuted, the
 config.json values that describe the same model) comes from the artifact's manifest, the
-`hf_checkpoint` record the model's spec wrote at build time (builder/models/<model>/): the
-runtime never imports model code.
+record (runtime/hf_record.py) that the model's spec wrote at build time: the runtime never
+imports model code.
 
 Only JSON (config.json, model.safetensors.index.json) and safetensors headers and slices are
 read: no pickle. Each parameter's shard is a box of the global tensor (runtime/shards.py
@@ -25,31 +25,13 @@ from pathlib import Path
 
 import torch
 
+from titan.runtime.hf_record import HFRecord, hf_record
 from titan.runtime.init import pad_shard
 from titan.runtime.shards import ShardBox, shard_box
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-RECORD = "hf_checkpoint"
-"""The manifest (and checkpoint description) field that holds the model's Hugging Face record."""
-
-
-def hf_record(source: dict, where: str) -> dict:
-    """The model's Hugging Face record from a manifest or checkpoint description, checked."""
-    record = source.get(RECORD)
-    if record is None:
-        raise ValueError(f"{where}: this model has no Hugging Face counterpart in titan (or the artifact predates "
-                         "it); rebuild the artifact with titan-build")
-    names, permuted = record.get("names") if isinstance(record, dict) else None, record.get("rope_permuted")
-    if (not isinstance(names, dict) or not isinstance(record.get("config"), dict)
-            or not isinstance(record.get("tied_names"), dict) or not isinstance(permuted, dict)
-            or not all(isinstance(v, int) and v > 1 and v % 2 == 0 for v in permuted.values())
-            or not isinstance(record.get("model_type"), str)):
-        raise ValueError(f"{where}: malformed {RECORD} record; rebuild the artifact with titan-build")
-    return record
-
-
 def titan_rows_from_hf(head_dim: int) -> torch.Tensor:
     """Index i: the HF row (within a head) that holds titan row i."""
     return torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)
@@ -68,7 +50,7 @@ def to_hf_layout(full: torch.Tensor, head_dim: int | None) -> torch.Tensor:
     return rows.flatten(0, 1).contiguous()
 
 
-def check_hf_config(hf_dir: Path, record: dict) -> dict:
+def check_hf_config(hf_dir: Path, record: HFRecord) -> dict:
     """Read config.json and check it describes the artifact's model; returns it."""
     path = hf_dir / CONFIG
     if not path.is_file():
@@ -81,7 +63,7 @@ def check_hf_config(hf_dir: Path, record: dict) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"--init-from-hf {path} is not a JSON object; re-download or re-save the model")
     where = f"--init-from-hf {path}"
-    model_type = record["model_type"]
+    model_type = record.model_type
     if cfg.get("model_type", model_type) != model_type:
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not {model_type!r}; this artifact's model "
                          f"loads {model_type} checkpoints only")
@@ -94,7 +76,7 @@ def check_hf_config(hf_dir: Path, record: dict) -> dict:
     if rope_type not in (None, "default"):
         raise ValueError(f"{where}: RoPE scaling {rope_type!r} is not implemented by titan's models (plain "
                          "RoPE only); use a checkpoint without rope_scaling (e.g. Llama 3 8B, not 3.1)")
-    expected = record["config"]
+    expected = record.config
     # Hugging Face's defaults for fields a config may leave out (or null).
     given = {k: v for k, v in cfg.items() if v is not None}
     given.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
@@ -119,16 +101,15 @@ def check_hf_config(hf_dir: Path, record: dict) -> dict:
 class HFCheckpoint:
     """A Hugging Face model directory, opened for slice reads."""
 
-    def __init__(self, hf_dir: str | Path, *, record: dict):
-        """`record`: the artifact's hf_checkpoint record (hf_record)."""
+    def __init__(self, hf_dir: str | Path, *, record: HFRecord):
         self.root = Path(hf_dir)
         if not self.root.is_dir():
             raise ValueError(f"--init-from-hf {self.root}: no such directory")
         self.config = check_hf_config(self.root, record)
-        self.names = dict(record["names"])
+        self.names = dict(record.names)
         if self.config.get("tie_word_embeddings", False):
-            self.names.update(record["tied_names"])
-        self.rope_permuted = record["rope_permuted"]
+            self.names.update(record.tied_names)
+        self.rope_permuted = record.rope_permuted
         self.files = self._weight_map()
         self._open: dict[str, object] = {}
 
@@ -187,6 +168,10 @@ class HFCheckpoint:
     def read_shard(self, param: dict, *, device: torch.device) -> torch.Tensor:
         """This rank's shard of `param` (artifact rank metadata), read as a box of the HF tensor."""
         name = self.check_shape(param)
+        hd = self.rope_permuted.get(param["fqn"])
+        if hd is not None and param["global_shape"][0] % hd:
+            raise ValueError(f"--init-from-hf: the artifact permutes rows of {param['fqn']} in heads of {hd}, which "
+                             f"do not divide its {param['global_shape'][0]} rows; rebuild the artifact with titan-build")
         box = shard_box(param["slices"], param["global_shape"])
         dtype = getattr(torch, param.get("dtype", "float32"))
         return pad_shard(self._read_box(name, param["fqn"], box).to(device=device, dtype=dtype), box)
@@ -217,9 +202,9 @@ def hf_config_for(description: dict, *, dtype: str) -> dict:
     from one (--init-from-hf), with the model's values (its hf_checkpoint record) and dtype set."""
     record = hf_record(description, "titan-export")
     cfg = dict(description.get("hf_config") or {})
-    cfg.update(record["config"])
+    cfg.update(record.config)
     cfg.update({
-        "architectures": record.get("architectures", []), "model_type": record["model_type"],
+        "architectures": list(record.architectures), "model_type": record.model_type,
         # titan trains the output projection separately from the embedding.
         "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype,
     })
@@ -236,7 +221,7 @@ def export_hf(out: Path, description: dict, tensors: dict[str, torch.Tensor], *,
 
     record = hf_record(description, "titan-export")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = {record["names"][fqn]: to_hf_layout(t, record["rope_permuted"].get(fqn)).to(torch_dtype).contiguous()
+    hf = {record.names[fqn]: to_hf_layout(t, record.rope_permuted.get(fqn)).to(torch_dtype).contiguous()
           for fqn, t in tensors.items()}
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan.runtime import checkpoint
-from titan.runtime.hf_weights import RECORD, HFCheckpoint, hf_record
+from titan.runtime.hf_record import RECORD, hf_record
+from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.init import materialize
 
 if TYPE_CHECKING:

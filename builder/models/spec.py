@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 if TYPE_CHECKING:
     from torch import nn
 
+    from titan.runtime.hf_record import HFRecord
     from titan.runtime.layout import Layout
 
 
@@ -55,7 +56,7 @@ class ModelSpec:
     unit, or None for modules outside blocks (embedding, final norm, output, loss)."""
     region_kind: Callable[[str], str | None]
     """Module path -> fuse_regions' region kind (e.g. 'rms_norm'), or None: not fused."""
-    hf_checkpoint: Callable[[ModelConfig, list[str]], dict] | None = None
+    hf_checkpoint: Callable[[ModelConfig, list[str]], HFRecord] | None = None
     """The Hugging Face checkpoint record for the given parameters (names, row permutations,
     expected config.json values), written into the manifest for --init-from-hf and
     titan-export; None when the family has no Hugging Face counterpart."""

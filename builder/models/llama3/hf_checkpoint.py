@@ -1,13 +1,14 @@
 """Llama 3 as a Hugging Face LlamaForCausalLM: the tensor name of each parameter, the q/k rows
 stored in HF's rotate-half order, and the config.json values that describe the same model.
 
-The builder writes this record into the manifest; runtime/hf_weights.py reads checkpoints
-(--init-from-hf) and titan-export writes them from it alone, never importing model code.
+The builder writes this record (runtime/hf_record.py) into the manifest; runtime/hf_weights.py
+reads checkpoints (--init-from-hf) and titan-export writes them from it alone.
 """
 
 from __future__ import annotations
 
 from titan.builder.models.llama3.config import LlamaConfig
+from titan.runtime.hf_record import HFRecord
 
 _BLOCK_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -35,20 +36,18 @@ def hf_name(fqn: str) -> str:
     return f"model.layers.{parts[1]}.{_BLOCK_NAMES['.'.join(parts[2:])]}"
 
 
-def hf_checkpoint(cfg: LlamaConfig, fqns: list[str]) -> dict:
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        # config.json values that must match (HF's defaults fill what a config leaves out).
-        "config": {
+def hf_checkpoint(cfg: LlamaConfig, fqns: list[str]) -> HFRecord:
+    return HFRecord(
+        model_type="llama",
+        architectures=("LlamaForCausalLM",),
+        config={
             "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size,
             "intermediate_size": cfg.ffn_hidden, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
             "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         },
-        "names": {fqn: hf_name(fqn) for fqn in fqns},
+        names={fqn: hf_name(fqn) for fqn in fqns},
         # With tie_word_embeddings the output projection is the embedding.
-        "tied_names": {"output.weight": _TOP_NAMES["tok_embeddings.weight"]},
-        # Parameter -> head size of the rotate-half row permutation within each head.
-        "rope_permuted": {fqn: cfg.head_dim for fqn in fqns if fqn.endswith(_ROPE_PERMUTED)},
-    }
+        tied_names={"output.weight": _TOP_NAMES["tok_embeddings.weight"]},
+        rope_permuted={fqn: cfg.head_dim for fqn in fqns if fqn.endswith(_ROPE_PERMUTED)},
+    )

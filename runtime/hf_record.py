@@ -1,0 +1,59 @@
+"""The artifact's Hugging Face record (manifest field `hf_checkpoint`): what --init-from-hf and
+titan-export need of a model, written at build time by the model's spec so that the runtime
+never imports model code. Typed, with its JSON form and the checks that reading it runs (an
+artifact is untrusted input). No torch import: the builder writes it on its cache-hit path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RECORD = "hf_checkpoint"
+"""The manifest (and checkpoint description) field that holds the record."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class HFRecord:
+    model_type: str
+    """config.json's model_type (e.g. 'llama'); a checkpoint of another type is refused."""
+    architectures: tuple[str, ...]
+    """config.json's architectures, for exported checkpoints."""
+    config: dict[str, str | int | float | bool]
+    """config.json values that must match the artifact's model (Hugging Face's defaults fill
+    what a checkpoint leaves out); titan-export writes them."""
+    names: dict[str, str]
+    """titan parameter -> Hugging Face tensor name."""
+    tied_names: dict[str, str]
+    """Replacements of `names` for a checkpoint with tie_word_embeddings."""
+    rope_permuted: dict[str, int]
+    """Parameter -> head size, for rows stored in rotate-half order within each head (titan's
+    RoPE pairs are interleaved)."""
+
+    def to_json(self) -> dict:
+        return {"model_type": self.model_type, "architectures": list(self.architectures), "config": self.config,
+                "names": self.names, "tied_names": self.tied_names, "rope_permuted": self.rope_permuted}
+
+    @staticmethod
+    def from_json(d, where: str) -> HFRecord:
+        def str_map(v) -> bool:
+            return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+        ok = (isinstance(d, dict) and isinstance(d.get("model_type"), str)
+              and isinstance(d.get("architectures"), list) and all(isinstance(a, str) for a in d["architectures"])
+              and str_map(d.get("names")) and str_map(d.get("tied_names"))
+              and isinstance(d.get("config"), dict)
+              and all(isinstance(v, (str, int, float, bool)) for v in d["config"].values())
+              and isinstance(d.get("rope_permuted"), dict)
+              and all(isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= 1 << 16 and v % 2 == 0
+                      for v in d["rope_permuted"].values()))
+        if not ok:
+            raise ValueError(f"{where}: malformed {RECORD} record; rebuild the artifact with titan-build")
+        return HFRecord(model_type=d["model_type"], architectures=tuple(d["architectures"]), config=d["config"],
+                        names=d["names"], tied_names=d["tied_names"], rope_permuted=d["rope_permuted"])
+
+
+def hf_record(source: dict, where: str) -> HFRecord:
+    """The record of a manifest or checkpoint description, checked."""
+    if source.get(RECORD) is None:
+        raise ValueError(f"{where}: this model has no Hugging Face counterpart in titan (or the artifact predates "
+                         "it); rebuild the artifact with titan-build")
+    return HFRecord.from_json(source[RECORD], where)

@@ -1,0 +1,22 @@
+"""The one parallel layout (runtime/layout.py) that builder and runtime share."""
+
+from __future__ import annotations
+
+from titan.runtime.layout import Layout
+
+
+def test_ranks_are_row_major_over_the_mesh_with_tp_innermost():
+    layout = Layout(dp_replicate=2, dp_shard=2, tp=2)
+    coords = [layout.coordinates(r) for r in range(layout.world_size)]
+    assert [(c["dp_replicate"], c["dp_shard"], c["tp"]) for c in coords] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    # Ranks that differ only in tp read the same data; each data-parallel coordinate its own slice.
+    assert [layout.dp_rank(c) for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert layout.dp_degree == 4
+
+
+def test_the_mesh_and_the_name_list_only_dimensions_of_size_above_one():
+    layout = Layout(dp_shard=4, tp=2)
+    assert layout.mesh_shape() == (("dp_shard", 4), ("tp", 2))
+    assert layout.tag() == "dp-shard4-tp2" and Layout().tag() == "single"
+    assert Layout.from_dict(layout.as_dict()) == layout
