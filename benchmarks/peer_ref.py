@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_worker import StepRecord, worker_args  # noqa: E402
+from profile_steps import step_profiler_from_env  # noqa: E402
 from train_bench import LAYOUTS  # noqa: E402
 
 
@@ -181,6 +182,7 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
     data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=batch, seq_len=seq_len, seed=0, dp_rank=dp_rank)
     global_tokens = float(batch * seq_len * dp_shard)
     record = StepRecord(device)
+    on_step = step_profiler_from_env(f"{layout_name}-{mode}", steps, dist.get_rank())
     for step in range(steps):
         tokens, labels = (t.to(device) for t in data.batch(step))
         record.start()
@@ -195,6 +197,8 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
         if dp_shard > 1:  # the mean loss over the global batch
             dist.all_reduce(reported, group=mesh["dp_shard"].get_group())
         record.stop(reported.item())
+        if on_step is not None:
+            on_step(step + 1)
     if dist.get_rank() == 0:
         record.write(out)
     dist.barrier()
