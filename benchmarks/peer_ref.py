@@ -12,7 +12,8 @@ synthetic tokens. Parallelism and precision as PyTorch's own recipes do it:
   `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 master weights, bf16
   parameters and activations in the step, fp32 gradient reduction. With one data-parallel rank
   (world size 1, or tp alone) the mesh has one rank and FSDP2 only applies that policy, as
-  torchtitan does; this is the same policy as titan's bf16 artifacts (parameters cast to bf16).
+  torchtitan 0.3.0 does (the torchtitan rows do it at world size 1 too); this is the same policy
+  as titan's bf16 artifacts (parameters cast to bf16).
 - `torch.optim.AdamW(fused=True)`; no gradient clipping (titan-run has none).
 ref-compile: the same, each block `torch.compile(fullgraph=True)` before sharding.
 """
