@@ -12,7 +12,8 @@ synthetic tokens. Parallelism and precision as PyTorch's own recipes do it:
   `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 master weights, bf16
   parameters and activations in the step, fp32 gradient reduction. With one data-parallel rank
   (world size 1, or tp alone) the mesh has one rank and FSDP2 only applies that policy, as
-  torchtitan does; this is the same policy as titan's bf16 artifacts (parameters cast to bf16).
+  torchtitan 0.3.0 does (the torchtitan rows do it at world size 1 too); this is the same policy
+  as titan's bf16 artifacts (parameters cast to bf16).
 - `torch.optim.AdamW(fused=True)`; no gradient clipping (titan-run has none).
 ref-compile: the same, each block `torch.compile(fullgraph=True)` before sharding.
 """
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_worker import StepRecord, worker_args  # noqa: E402
+from profile_steps import step_profiler_from_env  # noqa: E402
 from train_bench import LAYOUTS  # noqa: E402
 
 
@@ -181,6 +183,7 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
     data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=batch, seq_len=seq_len, seed=0, dp_rank=dp_rank)
     global_tokens = float(batch * seq_len * dp_shard)
     record = StepRecord(device)
+    on_step = step_profiler_from_env(f"{layout_name}-{mode}", steps, dist.get_rank())
     for step in range(steps):
         tokens, labels = (t.to(device) for t in data.batch(step))
         record.start()
@@ -195,6 +198,8 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
         if dp_shard > 1:  # the mean loss over the global batch
             dist.all_reduce(reported, group=mesh["dp_shard"].get_group())
         record.stop(reported.item())
+        if on_step is not None:
+            on_step(step + 1)
     if dist.get_rank() == 0:
         record.write(out)
     dist.barrier()

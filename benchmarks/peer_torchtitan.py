@@ -1,101 +1,95 @@
-"""The torchtitan rows of train_bench.py: torchtitan's own trainer classes on titan's data.
+"""The torchtitan rows of train_bench.py: torchtitan's own trainer on titan's data.
 
-    python benchmarks/peer_torchtitan.py --mode tt-eager|tt-compile|tt-graph[-nocg] --flavor 1B ...
-    (one process per rank, launched by train_bench.py; torchtitan and its needs come from the
-    wheels pinned in benchmarks/peer_wheels.txt)
+    python benchmarks/peer_torchtitan.py --mode tt-eager|tt-compile|tt-toolkit[-nocg] --flavor 1B ...
+    (one process per rank, launched by train_bench.py; torchtitan 0.2.2 and its needs come from
+    the wheels pinned in benchmarks/peer_wheels.txt)
+
+torchtitan 0.2.2 is the newest release that runs on the GPU host's torch 2.11 (0.3.0 imports
+torch.distributed.fsdp.DataParallelMeshDims and its graph trainer torch.cuda._graph_annotations,
+both newer than 2.11). Its API is the JobConfig / TrainSpec one:
 
 tt-eager:   torchtitan's `Trainer` with its Llama 3 model and `parallelize_llama` (FSDP2 with
-            MixedPrecisionPolicy(bf16, fp32) always, also at one data-parallel rank; TP with
-            sequence parallel), its fused AdamW, and its default CUDA graph around forward +
-            backward.
+            MixedPrecisionPolicy(bf16, fp32); TP with sequence parallel and a loss-parallel
+            cross-entropy), its fused AdamW.
 tt-compile: the same with `compile.enable` (torchtitan compiles each block and the loss).
-tt-graph:   torchtitan's graph trainer (experiments/graph_trainer): its `GraphTrainer` with
-            `GraphTrainerCompileConfig(enable=True)`, i.e. aot_fx_trace of the whole step,
-            simple_fsdp, its default pass pipeline (bucketing, regional inductor, its memory
-            policy, CUDA graphs).
--nocg:      the same without CUDA graphs (training.disable_cuda_graphs; for the graph trainer
-            its cudagraph_pass off, which calls torch.cuda.graph(enable_annotations=...), a
-            keyword newer than torch 2.11).
+tt-toolkit: torchtitan's `experiments/compiler_toolkit`, 0.2.2's predecessor of the graph
+            trainer: simple_fsdp, the joint forward + backward traced ahead of time
+            (dynamo_graph_capture_for_export + aot_export_joint_with_descriptors) and its passes
+            `regional_inductor` and `cudagraph` (CUDA graphs over the forward and backward
+            graphs), plus `autobucketing_reordering` where there is FSDP communication. The loss
+            and the optimizer run eagerly outside the graphs.
+-nocg:      tt-toolkit without its `cudagraph` pass.
 
-What is set to match titan's rows (the rest is torchtitan's defaults): the model shapes of
-titan's flavor (`1B` without tied embeddings, as titan's 1B; SDPA attention, as titan's; the
-`debug` flavor is torchtitan's debugmodel), batch, sequence length, no activation
-checkpointing (titan's rows have none; the graph trainer's memory policy stays its default),
-AdamW lr 8e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, plain cross-entropy loss over the
-global tokens, titan's synthetic tokens. The step is the trainer's own `forward_backward_step`
-then its optimizers and lr schedulers, without the gradient clipping and metric logging of
-`Trainer.train_step` (titan-run clips nothing).
+Precision, as titan's rows: bf16 parameters and activations, fp32 gradient reduction, fp32
+master weights. torchtitan 0.2.2 applies FSDP2 only when data_parallel_shard_degree > 1 (its
+single-device policy is fp32 parameters under bf16 autocast), so at world size 1 this worker
+shards the model over a one-rank mesh itself, with torchtitan's own apply_fsdp (simple_fsdp's
+data_parallel for tt-toolkit), and runs the step without the autocast. With TP alone (no
+data-parallel shards) torchtitan's own policy stays: no mixed precision (fp32), which the row
+name does not hide: the README's table says so.
 
-torchtitan places its model on CUDA: without a GPU this worker builds the configuration and the
-model on the meta device and exits with "needs CUDA".
+What else is set to match titan's rows (the rest is torchtitan's defaults): the model shapes of
+titan's flavor (titan's untied `1B`, SDPA attention), batch, sequence length, no activation
+checkpointing, AdamW lr 8e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 (torchtitan's
+defaults already), plain cross-entropy summed over the global tokens, titan's synthetic tokens.
+The step is the trainer's own `forward_backward_step` then its optimizers and lr schedulers,
+without the gradient clipping and metric logging of `Trainer.train_step` (titan-run clips
+nothing).
+
+torchtitan places its model on CUDA: without a GPU this worker builds the configuration, the
+model on the meta device and a batch, then exits with "needs CUDA".
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_worker import StepRecord, worker_args  # noqa: E402
-from train_bench import LAYOUTS  # noqa: E402
+from profile_steps import step_profiler_from_env  # noqa: E402
+from train_bench import LAYOUTS, PEER_MODES  # noqa: E402
 
-# titan flavor -> torchtitan's llama3 flavor of the same shapes
-TT_FLAVORS = {"debug": "debugmodel", "1B": "1B", "8B": "8B", "70B": "70B", "405B": "405B"}
+MODES = [m for m, worker in PEER_MODES.items() if worker == Path(__file__).name]
+SPEC_NAME = "titan_bench_llama3"  # the TrainSpec this worker registers
+TOOLKIT_CONFIG = "torchtitan.experiments.compiler_toolkit.job_config"
 
 
-def _data_classes():
-    """torchtitan's tokenizer and dataloader protocols, fed by titan's synthetic tokens."""
+def model_args(flavor: str):
+    """torchtitan's TransformerModelArgs with titan's shapes for `flavor` (SDPA, causal)."""
+    from torchtitan.models.llama3 import TransformerModelArgs
+
+    from titan.builder.models.llama3.config import FLAVORS
+
+    c = FLAVORS[flavor]
+    return TransformerModelArgs(dim=c.dim, n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
+                                vocab_size=c.vocab_size, multiple_of=c.multiple_of,
+                                ffn_dim_multiplier=c.ffn_dim_multiplier, norm_eps=c.norm_eps,
+                                rope_theta=c.rope_theta, attn_type="sdpa", attn_mask_type="causal")
+
+
+def synthetic_loader(vocab_size: int):
+    """torchtitan's dataloader protocol fed by titan's SyntheticTokens."""
     from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.tokenizer import BaseTokenizer
 
     from titan.runtime.data import SyntheticTokens
 
-    class NoTokenizer(BaseTokenizer):
-        """The data is token ids already: nothing to encode."""
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseTokenizer.Config):
-            vocab_size: int = 0
-
-        def __init__(self, config: Config, **_) -> None:
-            super().__init__()
-            self.vocab_size = config.vocab_size
-
-        def encode(self, *args, **kwargs) -> list[int]:
-            raise NotImplementedError("synthetic token ids need no tokenizer")
-
-        def decode(self, *args, **kwargs) -> str:
-            raise NotImplementedError("synthetic token ids need no tokenizer")
-
-        def get_vocab_size(self) -> int:
-            return self.vocab_size
-
     class SyntheticLoader(BaseDataLoader):
-        """titan's SyntheticTokens for this data-parallel rank, step by step."""
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            vocab_size: int = 0
-            positions: bool = False
-
-        def __init__(self, config: Config, *, dp_rank: int, seq_len: int, local_batch_size: int, **_) -> None:
-            self.positions = config.positions
-            self.tokens = SyntheticTokens(vocab_size=config.vocab_size, batch_size=local_batch_size,
-                                          seq_len=seq_len, seed=0, dp_rank=dp_rank)
+        def __init__(self, *, dp_rank: int, local_batch_size: int, seq_len: int) -> None:
+            self.tokens = SyntheticTokens(vocab_size=vocab_size, batch_size=local_batch_size, seq_len=seq_len,
+                                          seed=0, dp_rank=dp_rank)
 
         def __iter__(self):
             step = 0
             while True:
                 tokens, labels = self.tokens.batch(step)
-                inputs = {"input": tokens}
-                if self.positions:  # one document per sequence: FlexAttention's mask is causal
-                    inputs["positions"] = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
-                yield inputs, labels
+                yield {"input": tokens}, labels
                 step += 1
 
         def state_dict(self) -> dict:
@@ -104,118 +98,203 @@ def _data_classes():
         def load_state_dict(self, state_dict: dict) -> None:
             pass
 
-    return NoTokenizer, SyntheticLoader
+    def build(*, dp_world_size: int, dp_rank: int, tokenizer, job_config) -> SyntheticLoader:
+        return SyntheticLoader(dp_rank=dp_rank, local_batch_size=job_config.training.local_batch_size,
+                               seq_len=job_config.training.seq_len)
+
+    return build
 
 
-def trainer_config(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, dump: str,
-                   attention: str):
-    """torchtitan's trainer class and its config for this row."""
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import default_adamw
-    from torchtitan.components.validate import Validator
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.models.common.config_utils import decoder_vocab_size
-    from torchtitan.models.llama3 import model_registry
-    from torchtitan.trainer import Trainer
+def one_rank_fsdp(parallelize, apply_dp):
+    """`parallelize` followed by `apply_dp(model, mesh)` over a one-rank mesh where torchtitan
+    applies no data parallelism itself (world size 1): titan's precision policy there too."""
 
-    NoTokenizer, SyntheticLoader = _data_classes()
-    spec = model_registry(TT_FLAVORS[flavor])
-    spec.model.enable_weight_tying = False
-    if attention == "sdpa":
-        # As graph_trainer's build_decoder_config_for_backend does: torchtitan's own SDPA
-        # module (causal) in place of its default FlexAttention with per-document masks.
-        from torchtitan.models.common.attention import ScaledDotProductAttention
-        for layer in spec.model.layers:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    vocab = decoder_vocab_size(spec)
+    def wrapped(model, parallel_dims, job_config):
+        model = parallelize(model, parallel_dims, job_config)
+        if parallel_dims.world_size == 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torchtitan.tools import utils
+            model = apply_dp(model, init_device_mesh(utils.device_type, (1,), mesh_dim_names=("fsdp",)))
+        return model
+
+    return wrapped
+
+
+def _fsdp2(model, mesh):
+    from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+    apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
+    return model
+
+
+def _simple_fsdp(model, mesh):
+    """simple_fsdp over the one-rank mesh with DTensor compute (full_dtensor): the compiler toolkit
+    traces DTensor inputs only (it was written for TP), so the parameters stay DTensors too."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torchtitan.experiments.simple_fsdp.simple_fsdp import data_parallel
+    _ONE_RANK["mesh"] = mesh
+    return data_parallel(model, mesh, mode="fully_shard", full_dtensor=True,
+                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+
+
+_ONE_RANK: dict = {}  # the toolkit's one-rank mesh, for its inputs
+
+
+def _toolkit_spec():
+    """The compiler toolkit's Llama 3 spec, at world size 1 on a one-rank simple_fsdp mesh."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.utils._pytree import tree_map
+
+    import torchtitan.experiments.compiler_toolkit.llama3.parallelize as toolkit
+    from torchtitan.experiments.compiler_toolkit.llama3 import get_train_spec
+
+    toolkit.simple_fsdp_parallelize_llama = one_rank_fsdp(toolkit.simple_fsdp_parallelize_llama, _simple_fsdp)
+    tp_inputs = toolkit.parallelize_inputs
+
+    def inputs(dims, args, kwargs):
+        if dims.tp_enabled or "mesh" not in _ONE_RANK:
+            return tp_inputs(dims, args, kwargs)
+        replicate = lambda t: DTensor.from_local(t, _ONE_RANK["mesh"], [Replicate()]) if isinstance(
+            t, torch.Tensor) else t
+        return tree_map(replicate, args), kwargs
+
+    toolkit.parallelize_inputs = inputs
+    spec = get_train_spec()
+
+    def build_loss(job_config, **kwargs):
+        loss = spec.build_loss_fn(job_config, **kwargs)
+        # DTensor logits on the one-rank mesh: their local tensor is the whole of them.
+        return lambda pred, labels: loss(pred.to_local() if isinstance(pred, DTensor) else pred, labels)
+
+    return dataclasses.replace(spec, build_loss_fn=build_loss)
+
+
+def _toolkit_buffers_to_dtensor(model) -> None:
+    """The toolkit's one-rank mesh: buffers (RoPE's frequencies, set by init_weights) as
+    replicated DTensors, like everything else its traced graph sees."""
+    from torch.distributed.tensor import DTensor, Replicate
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and not isinstance(buf, DTensor):
+                module._buffers[name] = DTensor.from_local(buf, _ONE_RANK["mesh"], [Replicate()])
+
+
+def register_spec(mode: str, flavor: str) -> None:
+    """A TrainSpec: torchtitan's Llama 3 (or the compiler toolkit's) with titan's shapes and data."""
+    from torchtitan.protocols.train_spec import register_train_spec
+
+    if mode.startswith("tt-toolkit"):
+        spec = _toolkit_spec()
+    else:
+        from torchtitan.models.llama3 import get_train_spec
+        spec = get_train_spec()
+        spec = dataclasses.replace(spec, parallelize_fn=one_rank_fsdp(spec.parallelize_fn, _fsdp2))
+    args = model_args(flavor)
+    spec = dataclasses.replace(spec, model_args={flavor: args}, build_tokenizer_fn=None,
+                               build_dataloader_fn=synthetic_loader(args.vocab_size), build_validator_fn=None,
+                               pipelining_fn=None, state_dict_adapter=None)
+    register_train_spec(SPEC_NAME, spec)
+
+
+def job_config(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, dump: str):
+    """torchtitan's JobConfig for this row (its defaults, less what matches titan's rows)."""
+    from torchtitan.config import ConfigManager
+
+    toolkit = mode.startswith("tt-toolkit")
+    c = ConfigManager().parse_args(["--job.custom_config_module", TOOLKIT_CONFIG] if toolkit else [])
     sizes = LAYOUTS[layout_name]
-    config = Trainer.Config(
-        model_spec=spec,
-        dump_folder=dump,
-        tokenizer=NoTokenizer.Config(vocab_size=vocab),
-        dataloader=SyntheticLoader.Config(vocab_size=vocab, positions=attention == "flex"),
-        optimizer=default_adamw(lr=8e-4),
-        loss=CrossEntropyLoss.Config(global_vocab_size=vocab),
-        training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps,
-                                disable_cuda_graphs=mode.endswith("-nocg")),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=sizes.get("dp_shard", 1),
-                                      tensor_parallel_degree=sizes.get("tp", 1)),
-        checkpoint=CheckpointManager.Config(enable=False),
-        activation_checkpoint=None,
-        compile=CompileConfig(enable=mode.startswith("tt-compile")),
-        validator=Validator.Config(enable=False),
-        metrics=MetricsProcessor.Config(log_freq=10**9),
-    )
-    if not mode.startswith("tt-graph"):
-        return Trainer, config
-    from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig, to_graph_trainer_config
-    from torchtitan.experiments.graph_trainer.llama3 import model_registry as graph_registry
-    from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
-    config = to_graph_trainer_config(config, graph_registry)
-    config.compile = GraphTrainerCompileConfig(
-        enable=True, disable_passes=["cudagraph_pass"] if mode.endswith("-nocg") else [])
-    return GraphTrainer, config
+    c.job.dump_folder = dump
+    c.model.name, c.model.flavor = SPEC_NAME, flavor
+    c.training.local_batch_size, c.training.seq_len, c.training.steps = batch, seq_len, steps
+    c.parallelism.data_parallel_shard_degree = sizes.get("dp_shard", 1)
+    c.parallelism.tensor_parallel_degree = sizes.get("tp", 1)
+    c.activation_checkpoint.mode = "none"
+    c.checkpoint.enable = False
+    c.validation.enable = False
+    c.metrics.log_freq = 10**9
+    c.compile.enable = mode == "tt-compile"
+    if toolkit:
+        fsdp_comm = sizes.get("dp_shard", 1) > 1
+        c.compile.passes = (["autobucketing_reordering"] if fsdp_comm else []) + ["regional_inductor"] + (
+            [] if mode.endswith("-nocg") else ["cudagraph"])
+    return c
 
 
 def timed_trainer(base):
-    """`base` (Trainer or GraphTrainer) whose steps are timed into a StepRecord."""
+    """`base` (torchtitan's Trainer or the toolkit's) whose steps are timed into a StepRecord."""
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
 
     class Timed(base):
         record: StepRecord
-        pre_step = staticmethod(lambda: None)
+        on_step = None
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            if self.parallel_dims.world_size == 1:  # bf16 parameters (one_rank_fsdp): no autocast
+                self.maybe_enable_amp = contextlib.nullcontext()
+                if "mesh" in _ONE_RANK:
+                    _toolkit_buffers_to_dtensor(self.model_parts[0])
 
         def train_step(self, data_iterator) -> None:
-            self.pre_step()
             input_dict, labels = next(data_iterator)
             input_dict = {k: v.to(self.device) for k, v in input_dict.items()}
+            labels = labels.to(self.device)
             self.record.start()
-            self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
-            local_tokens = (labels != IGNORE_INDEX).sum().to(self.device)
+            self.optimizers.zero_grad()
+            local_tokens = (labels != IGNORE_INDEX).sum()
             if self.parallel_dims.dp_enabled:
-                global_tokens = dist_utils.dist_sum_tensor(local_tokens, self.parallel_dims.get_mesh("batch"))
+                global_tokens = dist_utils.dist_sum(local_tokens, self.parallel_dims.get_mesh("batch"))
             else:
-                global_tokens = local_tokens
-            loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
+                global_tokens = local_tokens.float()
+            loss = self.forward_backward_step(input_dict=input_dict, labels=labels,
                                               global_valid_tokens=global_tokens)
             self.optimizers.step()
             self.lr_schedulers.step()
             # The loss is this rank's sum over the global token count: the mean is their sum.
-            loss_mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_enabled else None
-            self.record.stop(dist_utils.dist_sum(loss.detach().clone(), loss_mesh))
+            if self.parallel_dims.dp_cp_enabled:
+                reported = dist_utils.dist_sum(loss.detach(), self.parallel_dims.get_optional_mesh("loss"))
+            else:
+                reported = loss.item()
+            self.record.stop(float(reported))
+            if self.on_step is not None:
+                self.on_step(self.step)
 
     return Timed
 
 
-def _graph_pre_step(trainer):
-    """What GraphTrainer.train_step runs before each step: its pass pipeline's hook, if any."""
-    from torchtitan.experiments.graph_trainer.registry import PRE_TRAIN_STEP_HOOKS
-    hook = PRE_TRAIN_STEP_HOOKS.get(trainer.config.compile.pass_pipeline)
-    return (lambda: hook(trainer)) if hook is not None else (lambda: None)
+def trainer_class(mode: str):
+    if mode.startswith("tt-toolkit"):
+        from torchtitan.experiments.compiler_toolkit.train import CompilerToolkitTrainer
+        return CompilerToolkitTrainer
+    from torchtitan.train import Trainer
+    return Trainer
 
 
-def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str,
-        attention: str) -> None:
-    dump = tempfile.mkdtemp(prefix="tt-bench-")
-    base, config = trainer_config(mode, flavor, layout_name, batch, seq_len, steps, dump, attention)
+def check_without_gpu(mode: str, config, flavor: str, batch: int, seq_len: int) -> None:
+    """What can be checked on a host without CUDA: the spec, its model on meta and a batch."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec(config.model.name)
+    args = spec.model_args[config.model.flavor]
+    args.update_from_config(config)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    n = sum(p.numel() for p in model.parameters())
+    inputs, labels = next(iter(spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=None,
+                                                        job_config=config)))
+    raise SystemExit(f"error: {mode} needs CUDA (torchtitan places its model on the GPU); built here: the "
+                     f"config, torchtitan's Llama 3 with titan's {flavor} shapes on meta ({n:,} parameters) "
+                     f"and a batch {tuple(inputs['input'].shape)}")
+
+
+def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str) -> None:
+    register_spec(mode, flavor)
+    config = job_config(mode, flavor, layout_name, batch, seq_len, steps, tempfile.mkdtemp(prefix="tt-bench-"))
     if not torch.cuda.is_available():
-        with torch.device("meta"):
-            model = config.model_spec.model.build()
-        n = sum(p.numel() for p in model.parameters())
-        tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
-        loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=seq_len,
-                                         local_batch_size=batch, snapshot_every_n_steps=None)
-        inputs, _ = next(iter(loader))
-        raise SystemExit(f"error: {mode} needs CUDA (torchtitan places its model on the GPU); built here: the "
-                         f"config, the {TT_FLAVORS[flavor]} model on meta ({n:,} parameters) and a batch "
-                         f"{tuple(inputs['input'].shape)}")
-    trainer = timed_trainer(base)(config)
+        check_without_gpu(mode, config, flavor, batch, seq_len)
+    trainer = timed_trainer(trainer_class(mode))(config)
     trainer.record = StepRecord(trainer.device)
-    if mode.startswith("tt-graph"):
-        trainer.pre_step = _graph_pre_step(trainer)
+    trainer.on_step = step_profiler_from_env(f"{layout_name}-{mode}", steps, torch.distributed.get_rank())
     try:
         trainer.train()
     finally:
@@ -227,10 +306,9 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
 
 
 def main() -> None:
-    a = worker_args([m + cg for m in ("tt-eager", "tt-compile", "tt-graph") for cg in ("", "-nocg")])
+    a = worker_args(MODES)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json,
-        os.environ.get("BENCH_TT_ATTENTION", "sdpa"))
+    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ CATEGORIES = [
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "sm100_")),
     ("generated (triton)", ("triton",)),
-    ("optimizer ops", ("lerp", "addcmul", "addcdiv", "sqrt", "multi_tensor_apply")),
-    ("reduction", ("reduce_kernel", "softmax", "norm", "nll_loss", "cross_entropy")),
+    ("optimizer ops", ("lerp", "addcmul", "addcdiv", "sqrt", "multi_tensor_apply", "adam")),
+    ("loss", ("nll_loss", "cross_entropy", "log_softmax", "logsoftmax")),
+    ("reduction", ("reduce_kernel", "softmax", "norm")),
     ("copy / cat", ("copy", "memcpy", "memset", "cat", "splitwithsizes", "split_with_sizes", "index")),
     ("elementwise", ("elementwise",)),
 ]
@@ -120,6 +121,31 @@ def table(label: str, s: dict) -> str:
     return "\n".join(lines)
 
 
+# The side-by-side view (compare_table): the categories above, in fewer columns. Generated
+# (Triton) kernels are fused element-wise / reduction work; a fused loss lands there too.
+COLUMNS = [("matmul", ("matmul",)), ("attention", ("attention",)),
+           ("elementwise/reductions", ("elementwise", "reduction", "generated (triton)", "copy / cat", "other")),
+           ("loss", ("loss",)), ("optimizer", ("optimizer ops",)), ("nccl", ("nccl",))]
+
+
+def compare_table(summaries: dict[str, dict]) -> str:
+    """Rows side by side, ms per step: kernel time by column, GPU idle inside the window, and
+    the window (first kernel to last)."""
+    head = f"{'row':24s}" + "".join(f"{name:>23s}" if len(name) > 10 else f"{name:>11s}" for name, _ in COLUMNS)
+    lines = [head + f"{'idle':>8s}{'window':>9s}"]
+    for label, s in summaries.items():
+        if not s.get("kernels"):
+            lines.append(f"{label:24s} no kernels recorded")
+            continue
+        cats = s["categories"]
+        cells = []
+        for name, members in COLUMNS:
+            ms = sum(cats[m]["ms"] for m in members if m in cats)
+            cells.append(f"{ms:{23 if len(name) > 10 else 11}.1f}")
+        lines.append(f"{label:24s}" + "".join(cells) + f"{s['idle_ms']:8.1f}{s['window_ms']:9.1f}")
+    return "\n".join(lines)
+
+
 class StepProfiler:
     """on_step hook: profiles steps first..last (1-based), then writes the summary."""
 
@@ -148,6 +174,13 @@ class StepProfiler:
             if os.environ.get("BENCH_KEEP_TRACE") != "1":
                 trace.unlink()
             print(table(self.label, summary), flush=True)
+
+
+def step_profiler_from_env(label: str, steps: int, rank: int) -> StepProfiler | None:
+    """A benchmark worker's on_step hook: its rank 0 profiled when BENCH_PROFILE=DIR is set."""
+    if not os.environ.get("BENCH_PROFILE") or rank != 0:
+        return None
+    return StepProfiler(os.environ["BENCH_PROFILE"], label, *window(steps))
 
 
 def window(steps: int) -> tuple[int, int]:

@@ -21,9 +21,10 @@ titan:   titan-build (outside the timed run; a cache hit when built before), the
 Peer rows (PEER_MODES), same shapes, precision policy and data, each in its own processes:
 ref-eager / ref-compile: a plain-PyTorch Llama 3 (FSDP2 + DTensor TP, fused AdamW, per-block
          torch.compile for ref-compile) written in benchmarks/peer_ref.py;
-tt-eager / tt-compile / tt-graph: torchtitan's trainer, its torch.compile, and its graph
-         trainer (benchmarks/peer_torchtitan.py; torchtitan from benchmarks/peer_wheels.txt);
-         tt-*-nocg: the same without CUDA graphs (tt-graph-nocg: for torch 2.11).
+tt-eager / tt-compile / tt-toolkit: torchtitan 0.2.2's trainer, its torch.compile, and its
+         compiler toolkit (the whole forward + backward traced, CUDA graphs; 0.2.2's predecessor
+         of the graph trainer, which needs a torch newer than 2.11); tt-toolkit-nocg: without
+         its CUDA graphs (benchmarks/peer_torchtitan.py; wheels in benchmarks/peer_wheels.txt).
 A row that cannot run says why (the last error line of its rank 0), and the table goes on.
 
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
@@ -78,7 +79,7 @@ TITAN_VARIANTS = {
 
 # peer mode -> its worker script (in benchmarks/)
 PEER_MODES = {"ref-eager": "peer_ref.py", "ref-compile": "peer_ref.py",
-              **{m + cg: "peer_torchtitan.py" for m in ("tt-eager", "tt-compile", "tt-graph") for cg in ("", "-nocg")}}
+              **{m: "peer_torchtitan.py" for m in ("tt-eager", "tt-compile", "tt-toolkit", "tt-toolkit-nocg")}}
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -164,10 +165,8 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=batch, seq_len=seq_len, seed=0, dp_rank=dp_rank)
     record = StepRecord(device)
-    on_step = None
-    if os.environ.get("BENCH_PROFILE") and rank == 0:
-        from profile_steps import StepProfiler, window
-        on_step = StepProfiler(os.environ["BENCH_PROFILE"], f"{layout_name}-{mode}", *window(steps))
+    from profile_steps import step_profiler_from_env
+    on_step = step_profiler_from_env(f"{layout_name}-{mode}", steps, rank)
     for step in range(steps):
         tokens, labels = (t.to(device) for t in data.batch(step))
         record.start()
