@@ -254,6 +254,29 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
     return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason, traced=sorted(traced))
 
 
+def export_kernels(cache: Cache, kernels: dict[str, str], out: Path, files: dict[str, str]) -> dict[str, str]:
+    """Copy the compiled regions an entry records (titan-build --kernels) into the artifact:
+    kernel key -> kernels/<sha256>.kernel, each listed in `files` with its digest."""
+    if not kernels:
+        return {}
+    from titan.runtime.kernel_store import MAX_KERNEL_BYTES, KernelStore
+
+    store = KernelStore(cache.root / "kernels").store
+    out_map = {}
+    for key, sha in sorted(kernels.items()):
+        rel = f"kernels/{sha}.kernel"
+        if rel not in files:
+            try:
+                data = store.read_blob(sha, max_size=MAX_KERNEL_BYTES, what="kernel")
+            except ValueError:
+                continue  # gone from the store (gc): titan-run compiles that region, or rerun --kernels
+            (out / "kernels").mkdir(exist_ok=True)
+            (out / rel).write_bytes(data)
+            files[rel] = sha
+        out_map[key] = rel
+    return out_map
+
+
 def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
     """Copy an entry's blobs into a self-contained artifact directory (written beside `out`,
     then moved into place), so that it runs on a machine without the cache."""
@@ -269,7 +292,9 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
         files: dict[str, str] = {}
         ranks = []
         for rank, rank_key in enumerate(entry["ranks"]):
-            record = json.loads((cache.root / "ranks" / f"{rank_key}.json").read_text())
+            record = cache.rank_record(rank_key)
+            if record is None:
+                raise ArtifactError(f"the cache's record of rank {rank} changed during the build; build again")
             fw, bw = f"graphs/{record['forward']}.tgraph", f"graphs/{record['backward']}.tgraph"
             meta = f"ranks/rank{rank}.json"
             for rel, sha in ((fw, record["forward"]), (bw, record["backward"]), (meta, record["meta"])):
@@ -279,7 +304,9 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
                     path.write_bytes(cache.read_blob(sha))
                     files[rel] = sha
             ranks.append({"rank": rank, "meta": meta, "forward": fw, "backward": bw})
-        manifest = dict(entry["manifest"], name=out.name, cache_key=entry["key"], ranks=ranks, files=files)
+        kernels = export_kernels(cache, entry.get("kernels", {}), tmp, files)
+        manifest = dict(entry["manifest"], name=out.name, cache_key=entry["key"], ranks=ranks, files=files,
+                        **({"kernels": kernels} if kernels else {}))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))

@@ -1,40 +1,41 @@
-"""The content-addressed build cache shared by all jobs on a machine (or a shared filesystem).
+"""The content-addressed build cache shared by all jobs on a machine (or a shared filesystem),
+a ContentStore (runtime/content_store.py):
 
     <root>/blobs/<aa>/<sha256>      graph blobs and rank metadata, named by content
-    <root>/ranks/<rank key>.json    one traced rank: its factors and blob hashes
-    <root>/entries/<key>.json       one build: factors, rank keys, manifest fields
+    <root>/ranks/<rank key>.json    one traced rank: its factors and blob hashes (authenticated)
+    <root>/entries/<key>.json       one build: factors, rank keys, manifest fields, kernels (authenticated)
     <root>/used/<key>               touched on every use (its mtime is the last use)
-    <root>/locks/<key>.lock         held while a build of that key runs (filelock)
+    <root>/locks/<key>.lock         held while a build of that key runs
     <root>/tmp/                     files being written
+    <root>/kernels/                 the kernel store (runtime/kernel_store.py), a store of its own
 
 Every file is written to tmp/ and renamed into place, and an entry is written only after
 everything it names is in place, so a builder killed at any moment leaves at most unreferenced
 blobs and temp files (gc removes them), never an entry that points at something missing.
-Readers re-hash every blob they use.
+Records are served only when authenticated with the user's key, and readers re-hash every blob
+they use, so a hit serves exactly what this user's titan-build recorded.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import filelock
-
-from titan.runtime.artifact import cache_root, file_sha256
+from titan.runtime.artifact import cache_root
+from titan.runtime.content_store import ContentStore, StoreError, StoreLock, layout_problems, remove_planted_dirs
 
 # gc leaves unreferenced files younger than this alone: a running build may be about to commit them.
 UNREFERENCED_GRACE_S = 600.0
+MAX_BLOB_BYTES = 1 << 30
+"""Largest graph or metadata blob read from the cache."""
+RECORD_KINDS = ("ranks", "entries")
+KERNELS_DIR = "kernels"
+RANK_BLOBS = ("forward", "backward", "meta")
 
-
-class CacheError(ValueError):
-    """The cache directory cannot be used; the message says why."""
+CacheError = StoreError
+"""The cache cannot be used; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -48,138 +49,86 @@ class EntryInfo:
 class Cache:
     def __init__(self, root: Path | None = None):
         self.root = Path(root).expanduser() if root else cache_root()
-        for sub in ("blobs", "ranks", "entries", "used", "locks", "tmp"):
-            try:
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise CacheError(f"cannot use cache directory {self.root}: {e.strerror}; "
-                                 "pass --cache-dir or set TITAN_CACHE_DIR to a writable directory") from None
+        self.store = ContentStore(self.root, record_kinds=RECORD_KINDS, extra_dirs=(KERNELS_DIR,))
 
-    # --- files ---------------------------------------------------------------------------
-    def blob_path(self, sha: str) -> Path:
-        return self.root / "blobs" / sha[:2] / sha
-
-    def _write_atomic(self, path: Path, data: bytes) -> None:
-        tmp = None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.root / "tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as e:
-            if tmp:
-                Path(tmp).unlink(missing_ok=True)
-            raise CacheError(f"cannot write to the build cache {self.root}: {e.strerror or e}; free space there, "
-                             "or pass --cache-dir (or TITAN_CACHE_DIR) with a writable directory") from None
-        except BaseException:
-            if tmp:
-                Path(tmp).unlink(missing_ok=True)
-            raise
-
+    # --- blobs -----------------------------------------------------------------------------
     def put_blob(self, data: bytes) -> str:
-        sha = hashlib.sha256(data).hexdigest()
-        path = self.blob_path(sha)
-        try:
-            intact = hashlib.sha256(path.read_bytes()).hexdigest() == sha
-        except FileNotFoundError:
-            intact = False
-        if intact:
-            os.utime(path)  # tell a concurrent gc this blob is in use
-        else:
-            self._write_atomic(path, data)  # new, or replacing a damaged copy
-        return sha
+        return self.store.put_blob(data)
 
     def read_blob(self, sha: str) -> bytes:
         """The blob's bytes; CacheError if it is missing or does not match its hash."""
-        path = self.blob_path(sha)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise CacheError(f"blob {sha[:12]} is missing") from None
-        if hashlib.sha256(data).hexdigest() != sha:
-            raise CacheError(f"blob {sha[:12]} is corrupt")
-        return data
-
-    def _read_json(self, path: Path) -> dict | None:
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None  # only written by rename, so this is outside damage: treat as absent
+        return self.store.read_blob(sha, max_size=MAX_BLOB_BYTES)
 
     # --- ranks and entries ------------------------------------------------------------------
     def put_rank(self, rank_key: str, record: dict) -> None:
-        self._write_atomic(self.root / "ranks" / f"{rank_key}.json", json.dumps(record, indent=1).encode())
+        self.store.put_record("ranks", rank_key, record)
+
+    def rank_record(self, rank_key: str) -> dict | None:
+        """A traced rank's authenticated record (its blobs unchecked), else None."""
+        return self.store.get_record("ranks", rank_key)
 
     def get_rank(self, rank_key: str) -> dict | None:
-        """A traced rank whose blobs are all present and intact, else None."""
-        record = self._read_json(self.root / "ranks" / f"{rank_key}.json")
-        if record is None:
-            return None
-        try:
-            for sha in (record["forward"], record["backward"], record["meta"]):
-                self.read_blob(sha)
-        except (CacheError, KeyError):
+        """A traced rank whose record is authenticated and whose blobs are all present and intact, else None."""
+        record = self.rank_record(rank_key)
+        if record is None or not all(self.store.blob_intact(record.get(k), max_size=MAX_BLOB_BYTES)
+                                     for k in RANK_BLOBS):
             return None
         return record
 
     def put_entry(self, key: str, entry: dict) -> None:
-        self._write_atomic(self.root / "entries" / f"{key}.json", json.dumps(entry, indent=1).encode())
+        self.store.put_record("entries", key, entry)
+
+    def entry_record(self, key: str) -> dict | None:
+        return self.store.get_record("entries", key)
 
     def get_entry(self, key: str) -> tuple[dict | None, str]:
-        """(entry, '') when present and every blob verifies; else (None, why)."""
-        entry = self._read_json(self.root / "entries" / f"{key}.json")
+        """(entry, '') when it and every rank record are authenticated and every blob verifies;
+        else (None, why)."""
+        entry, why = self.store.record_state("entries", key)
         if entry is None:
-            return None, "no entry for this key"
-        for rank_key in entry["ranks"]:
-            record = self._read_json(self.root / "ranks" / f"{rank_key}.json")
+            return None, "no entry for this key" if why == "missing" else f"the entry: {why}"
+        checked: set[str] = set()
+        for rank_key in entry.get("ranks", []):
+            record, why = self.store.record_state("ranks", rank_key)
             if record is None:
-                return None, "an entry's rank record is missing"
-            for sha in (record["forward"], record["backward"], record["meta"]):
+                return None, "an entry's rank record is missing" if why == "missing" else f"a rank record: {why}"
+            for sha in (record.get(k) for k in RANK_BLOBS):
+                if sha in checked:
+                    continue  # ranks share blobs: each is hashed once
                 try:
                     self.read_blob(sha)
                 except CacheError as e:
                     return None, f"the entry's {e}"
+                checked.add(sha)
         return entry, ""
 
     def touch(self, key: str) -> None:
-        path = self.root / "used" / key
-        path.touch()
-        os.utime(path)
+        self.store.touch(key)
 
-    def lock(self, key: str, *, on_wait: Callable[[], None] | None = None) -> filelock.FileLock:
+    def lock(self, key: str, *, on_wait: Callable[[], None] | None = None) -> StoreLock:
         """Exclusive lock for building `key`; calls on_wait once if another process holds it."""
-        lock = filelock.FileLock(str(self.root / "locks" / f"{key}.lock"))
-        try:
-            lock.acquire(timeout=0)
-        except filelock.Timeout:
-            if on_wait:
-                on_wait()
-            lock.acquire()
+        lock = self.store.lock(key)
+        lock.acquire(blocking=True, on_wait=on_wait)
         return lock
 
     # --- listing, verification, gc ------------------------------------------------------------
     def entry_keys(self) -> list[str]:
-        return sorted(p.stem for p in (self.root / "entries").glob("*.json"))
+        return self.store.record_names("entries")
 
     def entry_blobs(self, entry: dict) -> set[str]:
         shas = set()
         for rank_key in entry.get("ranks", []):
-            record = self._read_json(self.root / "ranks" / f"{rank_key}.json") or {}
-            shas.update(record.get(k) for k in ("forward", "backward", "meta") if record.get(k))
+            record = self.rank_record(rank_key) or {}
+            shas.update(record.get(k) for k in RANK_BLOBS if isinstance(record.get(k), str))
         return shas
 
     def info(self, key: str) -> EntryInfo | None:
-        entry = self._read_json(self.root / "entries" / f"{key}.json")
+        entry = self.entry_record(key)
         if entry is None:
             return None
-        size = sum(self.blob_path(s).stat().st_size for s in self.entry_blobs(entry) if self.blob_path(s).exists())
-        used = self.root / "used" / key
-        last = used.stat().st_mtime if used.exists() else entry.get("created_ts", 0.0)
+        sizes = {b.sha: b.size for b in self.store.blobs()}
+        size = sum(sizes.get(s, 0) for s in self.entry_blobs(entry))
+        last = self.store.last_used(key) or entry.get("created_ts", 0.0)
         return EntryInfo(key=key, entry=entry, size=size, last_used=last)
 
     def entries(self) -> list[EntryInfo]:
@@ -192,30 +141,39 @@ class Cache:
                              "see titan-cache ls")
         return matches[0]
 
-    def verify(self, *, remove: bool) -> tuple[int, list[str]]:
-        """Re-hash every blob; returns (blobs checked, corrupt blob hashes). With remove, delete
-        corrupt blobs and the entries and rank records that name them."""
+    def verify(self, *, remove: bool) -> tuple[int, list[str], list[str]]:
+        """Re-hash every blob and authenticate every record; returns (blobs checked, corrupt
+        blob hashes, tampered things: unauthenticated records, planted links and files). With
+        remove, delete them and the entries that name a removed blob or record."""
         checked, bad = 0, []
-        for path in sorted((self.root / "blobs").glob("*/*")):
+        for blob in self.store.blobs():
             checked += 1
-            if file_sha256(path) != path.name:
-                bad.append(path.name)
-        if remove and bad:
-            bad_set = set(bad)
+            if not self.store.blob_intact(blob.sha, max_size=MAX_BLOB_BYTES):
+                bad.append(blob.sha)
+        strays = self.store.strays()
+        tampered = [f"{self.root / s} is not something titan makes (planted?)" for s in strays]
+        unauthenticated = []
+        for kind in RECORD_KINDS:
+            for name in self.store.record_names(kind):
+                record, why = self.store.record_state(kind, name)
+                if record is None:
+                    tampered.append(why)
+                    unauthenticated.append((kind, name))
+        if remove:
+            for s in strays:
+                self.store.remove_stray(s)
+            for kind, name in unauthenticated:
+                self.store.remove_record(kind, name)
             for sha in bad:
-                self.blob_path(sha).unlink(missing_ok=True)
-            for path in (self.root / "ranks").glob("*.json"):
-                record = self._read_json(path) or {}
-                if bad_set & {record.get(k) for k in ("forward", "backward", "meta")}:
-                    path.unlink(missing_ok=True)
+                self.store.remove_blob(sha)
             for key in self.entry_keys():
                 if self.get_entry(key)[0] is None:
                     self._remove_entry(key)
-        return checked, bad
+        return checked, bad, tampered
 
     def _remove_entry(self, key: str) -> None:
-        (self.root / "entries" / f"{key}.json").unlink(missing_ok=True)
-        (self.root / "used" / key).unlink(missing_ok=True)
+        self.store.remove_record("entries", key)
+        self.store.untouch(key)
 
     def gc(self, *, max_size: int | None, older_than_s: float | None, now: float | None = None) -> dict:
         """Remove entries by age and/or until the cache fits max_size (least recently used first),
@@ -229,19 +187,27 @@ class Cache:
             too_big = max_size is not None and total > max_size
             if not (too_old or too_big):
                 continue
-            lock = filelock.FileLock(str(self.root / "locks" / f"{info.key}.lock"))
+            lock = self.store.lock(info.key)
             try:
-                lock.acquire(timeout=0)
-            except filelock.Timeout:
-                skipped.append(info.key)
-                continue
-            try:
+                if not lock.acquire(blocking=False):
+                    skipped.append(info.key)
+                    continue
                 total -= self._remove_entry_and_files(info)
                 removed.append(info.key)
             finally:
                 lock.release()
         self._sweep(now)
         return {"removed": removed, "skipped_locked": skipped, "size": self.size()}
+
+    def _live(self) -> tuple[set[str], set[str]]:
+        """Rank keys and blobs that some entry or rank record names."""
+        live_ranks, live_blobs = set(), set()
+        for key in self.entry_keys():
+            live_ranks.update((self.entry_record(key) or {}).get("ranks", []))
+        for rank_key in self.store.record_names("ranks"):
+            record = self.rank_record(rank_key) or {}
+            live_blobs.update(record.get(k) for k in RANK_BLOBS)
+        return live_ranks, live_blobs
 
     def _remove_entry_and_files(self, info: EntryInfo) -> int:
         """Remove an entry, its rank records, and the blobs no other entry or rank record
@@ -250,41 +216,42 @@ class Cache:
         own = self.entry_blobs(info.entry)
         self._remove_entry(info.key)
         for rank_key in info.entry.get("ranks", []):
-            (self.root / "ranks" / f"{rank_key}.json").unlink(missing_ok=True)
-        live = set()
-        for key in self.entry_keys():
-            live.update(self.entry_blobs(self._read_json(self.root / "entries" / f"{key}.json") or {}))
-        for path in (self.root / "ranks").glob("*.json"):
-            record = self._read_json(path) or {}
-            live.update(record.get(k) for k in ("forward", "backward", "meta"))
+            self.store.remove_record("ranks", rank_key)
+        _, live = self._live()
         freed = 0
+        blobs = {b.sha: b for b in self.store.blobs()}
         for sha in own - live:
-            path = self.blob_path(sha)
-            if path.exists() and path.stat().st_mtime <= info.last_used + 1.0:
-                freed += path.stat().st_size
-                path.unlink()
+            blob = blobs.get(sha)
+            if blob is not None and blob.mtime <= info.last_used + 1.0:
+                freed += blob.size
+                self.store.remove_blob(sha)
         return freed
 
-    def _sweep(self, now: float) -> int:
+    def _sweep(self, now: float) -> None:
         """Delete rank records and blobs no entry references, and stale temp files, past the
-        grace period; returns bytes freed."""
-        live_ranks, live_blobs = set(), set()
-        for key in self.entry_keys():
-            entry = self._read_json(self.root / "entries" / f"{key}.json") or {}
-            live_ranks.update(entry.get("ranks", []))
-            live_blobs.update(self.entry_blobs(entry))
-        freed = 0
-        for path in (self.root / "ranks").glob("*.json"):
-            if path.stem not in live_ranks and now - path.stat().st_mtime > UNREFERENCED_GRACE_S:
-                path.unlink(missing_ok=True)
-        for path in (self.root / "blobs").glob("*/*"):
-            if path.name not in live_blobs and now - path.stat().st_mtime > UNREFERENCED_GRACE_S:
-                freed += path.stat().st_size
-                path.unlink(missing_ok=True)
-        for path in (self.root / "tmp").iterdir():
-            if now - path.stat().st_mtime > UNREFERENCED_GRACE_S:
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        return freed
+        grace period."""
+        live_ranks, _ = self._live()
+        for rank_key in self.store.record_names("ranks"):
+            mtime = self.store.record_mtime("ranks", rank_key)
+            if rank_key not in live_ranks and mtime is not None and now - mtime > UNREFERENCED_GRACE_S:
+                self.store.remove_record("ranks", rank_key)
+        live_blobs = set()
+        for rank_key in live_ranks:
+            record = self.rank_record(rank_key) or {}
+            live_blobs.update(record.get(k) for k in RANK_BLOBS)
+        for blob in list(self.store.blobs()):
+            if blob.sha not in live_blobs and now - blob.mtime > UNREFERENCED_GRACE_S:
+                self.store.remove_blob(blob.sha)
+        self.store.sweep_tmp(now=now, grace_s=UNREFERENCED_GRACE_S)
 
     def size(self) -> int:
-        return sum(p.stat().st_size for p in (self.root / "blobs").glob("*/*"))
+        return self.store.size()
+
+
+def cache_layout_problems(root: Path) -> list[str]:
+    """Why a cache directory cannot be opened (planted links, owner, permissions), for verify."""
+    return layout_problems(root, ("blobs", "used", "locks", "tmp", *RECORD_KINDS, KERNELS_DIR))
+
+
+def remove_planted(root: Path) -> None:
+    remove_planted_dirs(root, ("blobs", "used", "locks", "tmp", *RECORD_KINDS, KERNELS_DIR))

@@ -111,26 +111,53 @@ def info_cmd(ctx, key):
         click.echo(f"  {name}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
     click.echo("ranks:")
     for rank, rank_key in enumerate(info.entry["ranks"]):
-        record = json.loads((cache.root / "ranks" / f"{rank_key}.json").read_text())
+        record = cache.rank_record(rank_key)
+        if record is None:
+            click.echo(f"  {rank}: record missing or not authenticated (titan-cache verify)")
+            continue
         click.echo(f"  {rank}: forward {record['forward'][:12]} backward {record['backward'][:12]} "
                    f"meta {record['meta'][:12]}")
 
 
 @main.command("verify")
-@click.option("--remove", is_flag=True, help="Delete corrupt blobs and the entries that use them.")
+@click.option("--remove", is_flag=True, help="Delete corrupt blobs, tampered records and planted files, and the "
+              "entries that use them.")
 @click.pass_context
 @user_errors
 def verify_cmd(ctx, remove):
-    """Re-hash every blob and compiled kernel; exit 1 if any is corrupt."""
+    """Re-hash every blob and compiled kernel, authenticate every record, and look for what
+    titan never makes (links, special files); exit 1 if anything is wrong."""
+    from titan.builder.cache import cache_layout_problems, remove_planted
+    from titan.runtime.kernel_store import kernel_store_problems
+
+    root = Path(ctx.obj).expanduser() if ctx.obj else _default_root()
+    planted = cache_layout_problems(root) + kernel_store_problems(root / "kernels")
+    for problem in planted:
+        click.echo(f"tampered: {problem}{' (removed)' if remove else ''}")
+    if planted and not remove:
+        click.echo(f"verified nothing else: {len(planted)} tampered; titan-cache verify --remove deletes them")
+        sys.exit(1)
+    if planted:
+        remove_planted(root)
+        remove_planted(root / "kernels")
     cache = _cache(ctx)
-    checked, bad = cache.verify(remove=remove)
+    checked, bad, tampered = cache.verify(remove=remove)
     for sha in bad:
         click.echo(f"corrupt: {sha}{' (removed)' if remove else ''}")
-    k_checked, k_bad = _kernels(cache).verify(remove=remove)
+    k_checked, k_bad, k_tampered = _kernels(cache).verify(remove=remove)
     for key in k_bad:
         click.echo(f"corrupt kernel: {key}{' (removed; titan-run compiles it again)' if remove else ''}")
-    click.echo(f"verified {checked} blobs: {len(bad)} corrupt; {k_checked} kernels: {len(k_bad)} corrupt")
-    sys.exit(1 if bad or k_bad else 0)
+    for problem in tampered + k_tampered:
+        click.echo(f"tampered: {problem}{' (removed)' if remove else ''}")
+    n_tampered = len(planted) + len(tampered) + len(k_tampered)
+    click.echo(f"verified {checked} blobs: {len(bad)} corrupt; {k_checked} kernels: {len(k_bad)} corrupt; "
+               f"{n_tampered} tampered")
+    sys.exit(1 if bad or k_bad or n_tampered else 0)
+
+
+def _default_root() -> Path:
+    from titan.runtime.artifact import cache_root
+    return cache_root()
 
 
 @main.command("gc")

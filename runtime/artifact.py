@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from titan.runtime.layout import Layout
+from titan.runtime.safe_files import MAX_JSON_BYTES, UnsafeFile, loads_json, read_regular
 
 ARTIFACT_FORMAT = "titan-artifact"
 ARTIFACT_VERSION = 1
 MANIFEST = "manifest.json"
+MAX_FILE_BYTES = 1 << 30
+"""Largest artifact file read (an 8B graph is ~2 MB; a 405B one a few times that)."""
 
 
 class ArtifactError(ValueError):
@@ -57,20 +59,22 @@ class Artifact:
     def layout(self) -> Layout:
         return Layout.from_dict(self.manifest["layout"])
 
-    def read_verified(self, rel: str) -> bytes:
-        """Read a listed file, checking its sha256 against the manifest."""
+    def read_verified(self, rel: str, *, max_size: int = MAX_FILE_BYTES) -> bytes:
+        """Read a listed file (a regular file, reached through no link inside the artifact),
+        hashing it as it is read and checking the sha256 the manifest gives it."""
         expected = self.manifest["files"].get(rel) if isinstance(rel, str) else None
         if expected is None:
             raise ArtifactError(f"{self.root}: {rel} is not listed in the manifest; rebuild with titan-build")
-        path = self.root / rel
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise ArtifactError(f"{self.root}: {rel} is missing; rebuild with titan-build") from None
-        if hashlib.sha256(data).hexdigest() != expected:
-            raise ArtifactError(f"{self.root}: {rel} does not match its sha256 in the manifest "
-                                "(edited or corrupt); rebuild with titan-build")
-        return data
+            return read_regular(self.root, rel, max_size=max_size, what=f"{self.root}: {rel}", sha256=expected)
+        except UnsafeFile as e:
+            raise ArtifactError(f"{e}; rebuild with titan-build") from None
+
+    def kernel(self, key: str) -> bytes | None:
+        """The compiled region the artifact carries under `key` (titan-build --kernels), verified
+        against the manifest; None if it carries none."""
+        rel = self.manifest.get("kernels", {}).get(key)
+        return None if rel is None else self.read_verified(rel)
 
     def verify_all(self) -> None:
         for rel in self.manifest["files"]:
@@ -86,9 +90,10 @@ class Artifact:
 
     def rank_meta(self, rank: int) -> dict:
         try:
-            meta = json.loads(self.read_verified(self.rank_entry(rank)["meta"]))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ArtifactError(f"{self.root}: rank {rank} metadata is not JSON; rebuild with titan-build") from None
+            meta = loads_json(self.read_verified(self.rank_entry(rank)["meta"], max_size=MAX_JSON_BYTES),
+                              f"{self.root}: rank {rank} metadata")
+        except UnsafeFile as e:
+            raise ArtifactError(f"{e}; rebuild with titan-build") from None
         if not isinstance(meta, dict) or meta.get("rank") != rank:
             # A rank's graphs bake in its coordinates: running another rank's graphs trains wrong.
             described = meta.get("rank") if isinstance(meta, dict) else None
@@ -100,12 +105,14 @@ class Artifact:
 def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:
     root = Path(path)
     mpath = root / MANIFEST
-    if not mpath.is_file():
-        raise ArtifactError(f"{root} is not a titan artifact (no {MANIFEST}); build one with titan-build")
     try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{mpath} is not valid JSON ({e}); rebuild with titan-build") from None
+        if not root.is_dir() or not os.path.lexists(mpath):
+            raise ArtifactError(f"{root} is not a titan artifact (no {MANIFEST}); build one with titan-build")
+        manifest = loads_json(read_regular(root, MANIFEST, max_size=MAX_JSON_BYTES, what=str(mpath)), str(mpath))
+    except UnsafeFile as e:
+        raise ArtifactError(f"{e}; rebuild with titan-build") from None
+    except OSError as e:  # e.g. a path component that cannot be searched
+        raise ArtifactError(f"{root} cannot be read ({e.strerror or e}); give the path of an artifact directory") from None
     if not isinstance(manifest, dict) or manifest.get("format") != ARTIFACT_FORMAT:
         raise ArtifactError(f"{mpath} is not a titan artifact manifest; rebuild with titan-build")
     if manifest.get("format_version") != ARTIFACT_VERSION:

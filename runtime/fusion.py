@@ -8,29 +8,37 @@ fuse_exact pass) are compiled under the exact settings below, and only on GPUs: 
 their ops simply run on eager kernels, which is what they reproduce. The other kinds come from
 titan-build --fuse and change numerics in the last bits.
 
-Compiled regions are kept in a kernel store next to the build cache, keyed by the region's
-code and input layouts, the device (GPU name and compute capability), and the torch and triton
-versions: the first run on a kind of GPU compiles and writes them; later runs load them. What
-is stored is inductor's compiled artifact, which is code: titan-run only loads entries that it
-wrote itself into the store, each checked against the sha256 recorded when it was written;
-treat the store like the Python environment (see README, Safety).
+Compiled regions are code, so they are reached only through digests: from the artifact (its
+`kernels` map, each file checked against the manifest's sha256; titan-build --kernels puts
+them there), else from the kernel store through a record authenticated with the user's key
+(runtime/kernel_store.py), else compiled here and stored. A kernel's key is what shapes its
+code: the region's graph and input layouts, the compile settings, the GPU architecture (name
+and compute capability, never the device index) and the torch and triton versions. Generated
+CUDA code names the device it was compiled for, so kernels are compiled, stored and loaded on
+cuda:0: titan-run starts each local rank seeing only its own GPU (as torchrun's
+--virtual-local-rank does); a rank on another index compiles its regions for itself and shares
+nothing. Ranks of a host compile a key under its lock: one compiles, the others load.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.metadata
 import json
 import operator
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from titan.runtime.kernel_store import KernelStore
-
-
 
 # Inductor settings under which a fused element-wise kernel rounds as eager's kernels do: each
 # low-precision intermediate rounded where eager stores it, no a*b+c contracted into an FMA, IEEE
@@ -77,15 +85,39 @@ def has_regions(gm: fx.GraphModule, device: torch.device) -> bool:
     return any((tag := n.meta.get("titan_region")) and compiled_here(_kind(tag), device) for n in gm.graph.nodes)
 
 
-def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule,
-                            device: torch.device) -> FusionStats | None:
+class KernelSources:
+    """Where compiled regions come from, in order: the artifact (digests in its manifest), the
+    kernel store (authenticated records), compiling here. `recorded` collects every kernel key
+    used and its sha256 (titan-build --kernels writes them into the build's cache entry)."""
+
+    def __init__(self, *, device: torch.device, artifact_kernel: Callable[[str], bytes | None] | None = None,
+                 store: KernelStore | None = None):
+        self.artifact_kernel = artifact_kernel or (lambda key: None)
+        # Generated CUDA code is bound to the device index it was compiled for: only cuda:0's
+        # kernels are shared (see the module docstring).
+        self.shareable = device.type != "cuda" or device.index in (None, 0)
+        self._store = store
+        self.recorded: dict[str, str] = {}
+
+    @property
+    def store(self) -> KernelStore:
+        if self._store is None:
+            self._store = KernelStore()
+        return self._store
+
+
+def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule, device: torch.device, *,
+                            artifact=None, sources: KernelSources | None = None) -> FusionStats | None:
     """Compile the regions of both graphs in place (identical regions once); None when there
-    are none to compile here (then nothing of inductor is imported)."""
+    are none to compile here (then nothing of inductor is imported). Kernels the `artifact`
+    carries are used first."""
     if not (has_regions(forward, device) or has_regions(backward, device)):
         return None
-    stats, memo, store = FusionStats(), {}, KernelStore()
+    if sources is None:
+        sources = KernelSources(device=device, artifact_kernel=artifact.kernel if artifact is not None else None)
+    stats, memo = FusionStats(), {}
     for gm in (forward, backward):
-        compile_regions(gm, device=device, store=store, stats=stats, memo=memo)
+        compile_regions(gm, device=device, sources=sources, stats=stats, memo=memo)
     return stats
 
 
@@ -94,6 +126,7 @@ class FusionStats:
     regions: int = 0
     compiled: int = 0
     loaded: int = 0
+    from_artifact: int = 0
     reused: int = 0
     unstored: int = 0
     seconds: float = 0.0
@@ -101,17 +134,64 @@ class FusionStats:
 
     def line(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
-        return (f"fusion: {self.regions} regions ({kinds}): {self.compiled} compiled, {self.loaded} loaded from the "
-                f"kernel store, {self.reused} shared, in {self.seconds:.1f} s"
-                + (f" ({self.unstored} could not be stored)" if self.unstored else ""))
+        return (f"fusion: {self.regions} regions ({kinds}): {self.compiled} compiled, {self.from_artifact} loaded from "
+                f"the artifact, {self.loaded} from the kernel store, {self.reused} shared, in {self.seconds:.1f} s"
+                + (f" ({self.unstored} not stored)" if self.unstored else ""))
 
 
-def _device_tag(device: torch.device) -> str:
-    """Generated CUDA code names its device index, so the index is part of the key."""
+def device_tag(device: torch.device) -> str:
+    """The kind of device code is generated for: GPU name and compute capability (never the
+    index: kernels are shared by every GPU of a kind), or the CPU's vector instruction set."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return f"{torch.cuda.get_device_name(device)} sm{major}{minor} {device}"
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+    if device.type == "cpu":
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        return f"cpu {pick_vec_isa()}"
     return device.type
+
+
+def kernel_key(sub: fx.GraphModule, layouts: list[dict], settings: dict, context: dict) -> str:
+    return hashlib.sha256(json.dumps([sub.code, layouts, context, settings], sort_keys=True).encode()).hexdigest()[:32]
+
+
+_PRIVATE_DIR: Path | None = None
+
+
+def _private_dir() -> Path:
+    """A directory only this process uses, for handing verified kernel bytes to inductor (which
+    loads from a path) and for inductor's own cache: nothing another user wrote is loaded."""
+    global _PRIVATE_DIR
+    if _PRIVATE_DIR is None:
+        _PRIVATE_DIR = Path(tempfile.mkdtemp(prefix="titan-kernels-"))
+        atexit.register(shutil.rmtree, _PRIVATE_DIR, ignore_errors=True)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_PRIVATE_DIR / "inductor"))
+    return _PRIVATE_DIR
+
+
+def serialize_kernel(compiled) -> bytes | None:
+    """Inductor's compiled artifact as bytes, or None when inductor produced nothing it can save."""
+    path = Path(tempfile.mkdtemp(dir=_private_dir())) / "kernel.bin"
+    try:
+        compiled.save(path=str(path), format="binary")
+        return path.read_bytes()
+    except RuntimeError:
+        return None
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def deserialize_kernel(data: bytes):
+    """A compiled region from bytes whose digest the caller verified (inductor's format unpickles:
+    it must never see bytes that were not reached through a manifest or an authenticated record)."""
+    from torch._inductor import CompiledArtifact
+
+    path = Path(tempfile.mkdtemp(dir=_private_dir())) / "kernel.bin"
+    try:
+        path.write_bytes(data)
+        return CompiledArtifact.load(path=str(path), format="binary")
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def _versions() -> dict[str, str]:
@@ -185,15 +265,55 @@ def _region_call(compiled, name: str):
     return call
 
 
-def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelStore,
-                    stats: FusionStats, memo: dict) -> fx.GraphModule:
-    """Replace every region of `gm` with a call of its compiled kernels."""
+def _compile(sub: fx.GraphModule, layouts: list[dict], settings: dict, device: torch.device):
     from torch._inductor import standalone_compile
 
     import torch._inductor.config as inductor_config
 
+    examples = [_example(v, device) for v in layouts]
+    with inductor_config.patch(settings):
+        return standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
+
+
+def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], settings: dict, device: torch.device,
+            sources: KernelSources, stats: FusionStats):
+    """The region's compiled kernels: from the artifact, the store, or compiled (once per host:
+    under the key's lock, the first rank compiles and the others then load)."""
+    data = sources.artifact_kernel(key)
+    if data is not None:
+        stats.from_artifact += 1
+        sources.recorded[key] = hashlib.sha256(data).hexdigest()
+        return deserialize_kernel(data)
+    if not sources.shareable:
+        stats.compiled += 1
+        stats.unstored += 1
+        return _compile(sub, layouts, settings, device)
+    store = sources.store
+    found = store.load(key)
+    if found is None:
+        with store.lock(key) as lock:
+            lock.acquire(blocking=True)
+            found = store.load(key)  # compiled by another rank while this one waited
+            if found is None:
+                compiled = _compile(sub, layouts, settings, device)
+                stats.compiled += 1
+                data = serialize_kernel(compiled)
+                if data is None:
+                    stats.unstored += 1  # compiled again by each run
+                else:
+                    sources.recorded[key] = store.save(key, data, device=device_tag(device))
+                return compiled
+    data, sha = found
+    stats.loaded += 1
+    sources.recorded[key] = sha
+    return deserialize_kernel(data)
+
+
+def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: KernelSources,
+                    stats: FusionStats, memo: dict) -> fx.GraphModule:
+    """Replace every region of `gm` with a call of its compiled kernels."""
     t0 = time.perf_counter()
-    context = {"device": _device_tag(device), **_versions()}
+    context = {"device": device_tag(device), **_versions()}
     exact = exact_config()
     for run in _runs(gm):
         kind = _kind(run[0].meta["titan_region"])
@@ -209,20 +329,8 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, store: KernelSt
         else:
             sub = _extract(run, inputs, outputs)
             layouts = [_input_layout(a) for a in inputs]
-            key = hashlib.sha256(json.dumps([sub.code, layouts, context, settings],
-                                            sort_keys=True).encode()).hexdigest()[:32]
-            compiled = store.load(key)
-            if compiled is not None:
-                stats.loaded += 1
-            else:
-                examples = [_example(v, device) for v in layouts]
-                with inductor_config.patch(settings):
-                    compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
-                stats.compiled += 1
-                try:
-                    store.save(key, compiled)
-                except RuntimeError:
-                    stats.unstored += 1  # inductor produced nothing it can serialize; compiled each run
+            compiled = _kernel(kernel_key(sub, layouts, settings, context), sub, layouts, settings, device,
+                               sources, stats)
             memo[signature] = compiled
         stats.regions += 1
         stats.kinds[kind] = stats.kinds.get(kind, 0) + 1

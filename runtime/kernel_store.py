@@ -1,21 +1,30 @@
 """The kernel store: compiled fusion regions, beside the build cache ($TITAN_CACHE_DIR/kernels).
 
-Each entry is `<key>.bin` (inductor's compiled artifact) with `<key>.sha256` (its digest,
-written by titan-run when it stored the entry); an entry is loaded only if the two agree. A
-load marks the entry used (the .bin's mtime), which is what `titan-cache gc --older-than`
-goes by. This module imports no torch: titan-cache reads and prunes the store without it.
+A ContentStore (runtime/content_store.py): each compiled region's bytes are a blob, and an
+authenticated record `kernels/<kernel key>.json` names the blob's sha256 (the key says what
+shapes the code: region graph, input layouts, compile settings, GPU architecture, torch and
+triton versions; runtime/fusion.py computes it). A kernel is served only through such a
+record, re-hashed as it is read, so a kernel planted by whoever else can write the directory is
+never loaded: the region is compiled again. Compiling a key happens under its lock, so the
+ranks of a host compile each kernel once and the others load it. A load marks the kernel used
+(used/<key>), which is what `titan-cache gc --older-than` goes by. No torch here: titan-cache
+reads and prunes the store without it.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan.runtime.artifact import cache_root, file_sha256
+from titan.runtime.artifact import cache_root
+from titan.runtime.content_store import ContentStore, StoreLock, layout_problems
 
+RECORD_KIND = "kernels"
+KERNEL_KEY = re.compile(r"[0-9a-f]{32}")
+MAX_KERNEL_BYTES = 256 << 20
+"""Largest compiled region read (real ones are tens of KiB)."""
 STALE_TEMP_S = 3600.0
 """Temp files older than this are left over from a killed writer."""
 
@@ -28,6 +37,7 @@ def kernel_store_root() -> Path:
 @dataclass(frozen=True)
 class KernelEntry:
     key: str
+    sha256: str
     size: int
     last_used: float
 
@@ -35,87 +45,101 @@ class KernelEntry:
 class KernelStore:
     def __init__(self, root: Path | None = None):
         self.root = root if root is not None else kernel_store_root()
+        self.store = ContentStore(self.root, record_kinds=(RECORD_KIND,))
 
-    def load(self, key: str):
-        """The compiled region stored under `key`, or None (absent, torn or edited)."""
-        path, digest = self.root / f"{key}.bin", self.root / f"{key}.sha256"
-        if not path.is_file() or not digest.is_file():
+    def load(self, key: str) -> tuple[bytes, str] | None:
+        """The compiled region's bytes and sha256 stored under `key`, or None (absent, not
+        authenticated, torn or edited: then it is compiled again)."""
+        record = self.store.get_record(RECORD_KIND, key)
+        if record is None or record.get("key") != key:
             return None
-        if file_sha256(path) != digest.read_text().strip():
-            return None  # compile again and replace it
-        from torch._inductor import CompiledArtifact
-
-        compiled = CompiledArtifact.load(path=str(path), format="binary")
         try:
-            os.utime(path)  # last use, for titan-cache gc
-        except OSError:
+            data = self.store.read_blob(record.get("sha256"), max_size=MAX_KERNEL_BYTES, what="kernel")
+        except ValueError:
+            return None
+        try:
+            self.store.touch(key)  # last use, for titan-cache gc
+        except ValueError:
             pass  # a read-only store still serves
-        return compiled
+        return data, record["sha256"]
 
-    def save(self, key: str, compiled) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            compiled.save(path=tmp, format="binary")
-            digest = file_sha256(Path(tmp))
-            os.replace(tmp, self.root / f"{key}.bin")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        sidecar = self.root / f".{key}.sha256.tmp{os.getpid()}"
-        sidecar.write_text(digest + "\n")
-        os.replace(sidecar, self.root / f"{key}.sha256")
+    def save(self, key: str, data: bytes, *, device: str) -> str:
+        """Store a compiled region; returns its sha256."""
+        assert KERNEL_KEY.fullmatch(key), key
+        sha = self.store.put_blob(data)
+        self.store.put_record(RECORD_KIND, key, {"key": key, "sha256": sha, "size": len(data), "device": device})
+        self.store.touch(key)
+        return sha
+
+    def lock(self, key: str) -> StoreLock:
+        return self.store.lock(key)
 
     def entries(self) -> list[KernelEntry]:
-        if not self.root.is_dir():
-            return []
         out = []
-        for path in self.root.glob("*.bin"):
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue  # removed meanwhile
-            out.append(KernelEntry(key=path.stem, size=st.st_size, last_used=st.st_mtime))
+        for key in self.store.record_names(RECORD_KIND):
+            record = self.store.get_record(RECORD_KIND, key)
+            if record is None or not isinstance(record.get("sha256"), str):
+                continue
+            last = self.store.last_used(key) or self.store.record_mtime(RECORD_KIND, key) or 0.0
+            out.append(KernelEntry(key=key, sha256=record["sha256"], size=int(record.get("size", 0)), last_used=last))
         return out
 
     def size(self) -> int:
         return sum(e.size for e in self.entries())
 
     def remove(self, key: str) -> None:
-        (self.root / f"{key}.bin").unlink(missing_ok=True)
-        (self.root / f"{key}.sha256").unlink(missing_ok=True)
+        self.store.remove_record(RECORD_KIND, key)
+        self.store.untouch(key)
 
-    def verify(self, *, remove: bool) -> tuple[int, list[str]]:
-        """Re-hash every entry against its recorded digest; returns (checked, bad keys). With
-        remove, delete the bad ones (titan-run would compile them again anyway)."""
-        checked, bad = 0, []
-        for e in sorted(self.entries(), key=lambda e: e.key):
+    def verify(self, *, remove: bool) -> tuple[int, list[str], list[str]]:
+        """Authenticate every record and re-hash its blob; returns (checked, keys whose blob is
+        corrupt or missing, tampered: unauthenticated records, unreferenced blobs, planted files). With remove, delete them
+        (titan-run compiles those regions again)."""
+        checked, bad, tampered = 0, [], []
+        named = set()
+        for key in self.store.record_names(RECORD_KIND):
             checked += 1
-            digest = self.root / f"{e.key}.sha256"
-            try:
-                ok = digest.is_file() and file_sha256(self.root / f"{e.key}.bin") == digest.read_text().strip()
-            except FileNotFoundError:
+            record, why = self.store.record_state(RECORD_KIND, key)
+            if record is None:
+                tampered.append(f"kernel {why}")
+            elif not self.store.blob_intact(record.get("sha256"), max_size=MAX_KERNEL_BYTES):
+                bad.append(key)
+            else:
+                named.add(record["sha256"])
                 continue
-            if not ok:
-                bad.append(e.key)
+            if remove:
+                self.remove(key)
+        strays = self.store.strays()
+        tampered += [f"{self.root / s} is not something titan makes (planted?)" for s in strays]
+        for blob in self.store.blobs():
+            if blob.sha not in named:
+                tampered.append(f"kernel blob {blob.sha[:12]} is named by no authenticated record (planted?)")
                 if remove:
-                    self.remove(e.key)
-        return checked, bad
+                    self.store.remove_blob(blob.sha)
+        if remove:
+            for s in strays:
+                self.store.remove_stray(s)
+        return checked, bad, tampered
 
     def gc(self, *, older_than_s: float, now: float | None = None) -> tuple[int, int]:
-        """Remove entries unused for longer than `older_than_s`, digests without an entry and
-        stale temp files; returns (entries removed, bytes freed)."""
+        """Remove kernels unused for longer than `older_than_s`, blobs no record names and stale
+        temp files; returns (kernels removed, bytes freed)."""
         now = time.time() if now is None else now
         removed = freed = 0
+        live = set()
         for e in self.entries():
             if now - e.last_used > older_than_s:
                 self.remove(e.key)
                 removed += 1
                 freed += e.size
-        if self.root.is_dir():
-            for path in self.root.iterdir():
-                orphan = path.suffix == ".sha256" and not (self.root / f"{path.stem}.bin").exists()
-                if (orphan or path.name.startswith(".")) and now - path.stat().st_mtime > STALE_TEMP_S:
-                    path.unlink(missing_ok=True)
+            else:
+                live.add(e.sha256)
+        for blob in list(self.store.blobs()):
+            if blob.sha not in live and now - blob.mtime > STALE_TEMP_S:
+                self.store.remove_blob(blob.sha)
+        self.store.sweep_tmp(now=now, grace_s=STALE_TEMP_S)
         return removed, freed
+
+
+def kernel_store_problems(root: Path) -> list[str]:
+    return layout_problems(root, ("blobs", "used", "locks", "tmp", RECORD_KIND))

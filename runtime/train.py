@@ -101,7 +101,7 @@ class GraphProgram:
                    layout=artifact.manifest["layout"],
                    graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
-        self.fusion = compile_program_regions(self.forward, self.backward, device)
+        self.fusion = compile_program_regions(self.forward, self.backward, device, artifact=artifact)
         self.inputs = meta["forward_inputs"]
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
         self.params = [load_param(p) for p in meta["params"]]

@@ -94,6 +94,23 @@ def check_manifest(m: dict) -> None:
             rel = check_rel_path(entry.get(key), f"{where} rank {r} {key}")
             if rel not in files:
                 _fail(where, f"rank {r} {key} file {rel} is not listed in 'files'")
+    _check_kernels(m.get("kernels", {}), files, where)
+
+
+_KERNEL_KEY = re.compile(r"[0-9a-f]{32}")
+MAX_KERNELS = 1 << 16
+
+
+def _check_kernels(kernels, files: dict, where: str) -> None:
+    """Compiled regions the artifact carries (titan-build --kernels): kernel key -> listed file.
+    They are code; the manifest's digest of each is what lets the runtime load it."""
+    if not isinstance(kernels, dict) or len(kernels) > MAX_KERNELS:
+        _fail(where, "'kernels' must map kernel keys to files")
+    for key, rel in kernels.items():
+        if not _KERNEL_KEY.fullmatch(key):
+            _fail(where, f"kernel key {key[:40]!r} is not a kernel key")
+        if check_rel_path(rel, f"{where} kernels") not in files:
+            _fail(where, f"kernel file {rel} is not listed in 'files'")
 
 
 def _check_param(p, where: str) -> None:

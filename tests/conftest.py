@@ -16,6 +16,8 @@ import torch
 def pytest_configure(config):
     # Every titan process the tests start shares one throwaway build cache, never the user's.
     os.environ["TITAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="titan-test-cache-")
+    # ... and one signing key for cache records (never the user's own, ~/.config/titan/cache.key).
+    os.environ["TITAN_KEY_FILE"] = os.path.join(tempfile.mkdtemp(prefix="titan-test-key-"), "cache.key")
 
 
 def pytest_collection_modifyitems(config, items):
