@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import msgpack
 
+from titan.runtime.safe_files import UnsafeFile, check_depth
+
 FORMAT = "titan-graph"
 VERSION = 1
-# No integer in a graph or its metadata (sizes, counts) beyond this many elements: a crafted
-# artifact must not be able to ask for terabytes.
-MAX_ELEMENTS = 1 << 40
+# No integer in a graph or its metadata (sizes, counts) beyond this many elements (16 Gi: no
+# rank of a 405B model at batch 8 x 8192 holds a tensor a tenth that size): a crafted artifact
+# must not be able to ask for terabytes.
+MAX_ELEMENTS = 1 << 34
+MAX_DEPTH = 16
+"""Deepest nesting of a graph document (titan writes at most 7 levels)."""
 
 
 class GraphFormatError(ValueError):
@@ -18,6 +23,7 @@ class GraphFormatError(ValueError):
 def read_doc(blob: bytes) -> dict:
     """The blob's msgpack document, checked for format and version (nodes are not validated)."""
     try:
+        # msgpack's own stack bound (StackError) stops deeper documents before they are built.
         doc = msgpack.unpackb(blob, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on bad input
         raise GraphFormatError(f"graph blob is not valid msgpack: {e}") from e
@@ -27,4 +33,8 @@ def read_doc(blob: bytes) -> dict:
         raise GraphFormatError(f"graph format version {doc.get('version')!r}; this runtime reads version {VERSION}")
     if not isinstance(doc.get("nodes"), list) or not doc["nodes"]:
         raise GraphFormatError("graph has no nodes")
+    try:
+        check_depth(doc, MAX_DEPTH, "graph document")
+    except UnsafeFile as e:
+        raise GraphFormatError(str(e)) from None
     return doc

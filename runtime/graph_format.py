@@ -14,7 +14,9 @@ Values are msgpack scalars, lists, or one-key maps for what msgpack lacks:
 `val` describes a node's result: {"shape", "stride", "dtype"} for a tensor, a list of those
 for a tuple, {"int": n} for an integer, or null. Tensor constants (get_attr targets) are a
 safetensors document embedded as bytes. Call targets are "<namespace>.<op>.<overload>" from the
-allow-list below, or "getitem"; anything else is refused, so loading runs no code.
+explicit op allow-list (runtime/op_allowlist.py), or "getitem"; anything else is refused, so
+loading runs no code. A node may carry "region": "<kind>#<n>", a fusion region tag, only of the
+kinds the artifact's fusion pass makes (REGION_KINDS): a tag decides whether kernels are loaded.
 """
 
 from __future__ import annotations
@@ -28,20 +30,20 @@ import torch
 import torch.fx as fx
 
 from titan.runtime.graph_doc import FORMAT, MAX_ELEMENTS, VERSION, GraphFormatError, read_doc  # noqa: F401
+from titan.runtime.op_allowlist import ALLOWED_OPS
 
-# A fusion region tag (titan-build --fuse): "<kind>#<n>"; runtime/fusion.py compiles each region.
-REGION = re.compile(r"(exact|rms_norm|rope|swiglu|loss|block)#\d{1,6}")
-
-ALLOWED_NAMESPACES = ("aten", "prims", "_c10d_functional", "titan")
-# aten ops that touch the file system, or address memory by raw strides / storage (which a
-# crafted graph could point outside its buffers), are never loaded.
-DENIED_OPS = frozenset({
-    "aten.from_file", "aten._nested_tensor_from_mask", "aten.as_strided", "aten.as_strided_",
-    "aten.as_strided_copy", "aten.as_strided_scatter", "aten.set_", "aten.resize_", "aten.resize_as_",
-    "aten._unsafe_view_as_storage", "aten.untyped_storage", "aten._copy_from", "aten._copy_from_and_resize",
-    "aten.empty_strided", "aten.new_empty_strided", "aten._reshape_alias", "prims.as_strided",
-})
+# A fusion region tag: "<kind>#<n>"; runtime/fusion.py compiles each region.
+REGION = re.compile(r"([a-z_]{1,16})#\d{1,6}")
+# The region kinds each fusion pass makes: a graph may carry only the tags of the pass its
+# manifest records (a tag added to a graph built without fusion is refused, not compiled).
+REGION_KINDS = {
+    "fuse_exact": frozenset({"exact"}),
+    "fuse_regions": frozenset({"rms_norm", "rope", "swiglu", "loss"}),
+    "fuse_blocks": frozenset({"block"}),
+}
 MAX_NODES = 1 << 20
+MAX_RANK = 8
+"""Tensors have at most this many dimensions; `dim` arguments are bounded by it."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 BUILTIN_TARGETS: dict[str, Callable] = {"getitem": operator.getitem}
 
@@ -55,15 +57,20 @@ def target_name(target: Any) -> str:
     raise GraphFormatError(f"graph calls {target!r}, which the titan format cannot express")
 
 
+def region_kinds(passes: list[str]) -> frozenset[str]:
+    """The region tags graphs built with `passes` may carry."""
+    kinds: frozenset[str] = frozenset()
+    for p in passes if isinstance(passes, list) else []:
+        kinds |= REGION_KINDS.get(p, frozenset()) if isinstance(p, str) else frozenset()
+    return kinds
+
+
 def resolve_target(name: str) -> Callable:
     if name in BUILTIN_TARGETS:
         return BUILTIN_TARGETS[name]
-    parts = name.split(".")
-    if len(parts) != 3 or parts[0] not in ALLOWED_NAMESPACES:
-        raise GraphFormatError(f"op {name!r} is not on the allow-list ({', '.join(ALLOWED_NAMESPACES)})")
-    ns, op, overload = parts
-    if f"{ns}.{op}" in DENIED_OPS:
-        raise GraphFormatError(f"op {name!r} is denied")
+    if not isinstance(name, str) or name not in ALLOWED_OPS:
+        raise GraphFormatError(f"op {str(name)[:120]!r} is not on titan's op allow-list (graph format {VERSION})")
+    ns, op, overload = name.split(".")
     if ns == "titan":
         import titan.runtime.ops  # noqa: F401  (registers the titan:: ops)
     try:
@@ -114,7 +121,26 @@ def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -
             if not a.has_default_value():
                 raise GraphFormatError(f"node {i}: {name} is missing argument {a.name!r}")
             continue
-        _check_kind(bound[a.name], str(a.real_type), f"node {i} ({name}) argument {a.name}")
+        where = f"node {i} ({name}) argument {a.name}"
+        _check_kind(bound[a.name], str(a.real_type), where)
+        _check_bound(a.name, bound[a.name], where)
+
+
+# Arguments bounded by what they mean, beyond their type: dimensions index a tensor of at most
+# MAX_RANK dimensions; a process group has at most 2^16 ranks.
+_DIM_ARGS = ("dim", "dim0", "dim1")
+_GROUP_ARGS = ("group_size",)
+
+
+def _check_bound(arg: str, v, where: str) -> None:
+    if arg in _DIM_ARGS or (arg == "dim" and isinstance(v, (list, tuple))):
+        for d in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(d, int) and not -MAX_RANK <= d < MAX_RANK:
+                raise GraphFormatError(f"{where}: dimension {d} is out of range")
+    if arg in _GROUP_ARGS and isinstance(v, int) and not 1 <= v <= 1 << 16:
+        raise GraphFormatError(f"{where}: group size {v} is out of range")
+    if isinstance(v, (list, tuple)) and len(v) > 4 * MAX_RANK:
+        raise GraphFormatError(f"{where}: list of {len(v)} values is too long")
 
 
 _DECODED_KINDS = {"ScalarType": torch.dtype, "Layout": torch.layout, "Device": torch.device,
@@ -210,9 +236,11 @@ class _DecodeContext:
         self.groups = groups
 
 
-def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> fx.GraphModule:
+def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
+               regions: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Rebuild a GraphModule from a blob. `groups` maps mesh dimension names to the real
-    process-group names of this process."""
+    process-group names of this process; `regions` are the fusion region kinds the graph may
+    be tagged with (region_kinds of the manifest's passes)."""
     doc = read_doc(blob)
     constants: dict[str, torch.Tensor] = {}
     if doc.get("constants") is not None:
@@ -273,8 +301,10 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str]) -> 
         node.meta["titan_val"] = rec.get("val")
         region = rec.get("region")
         if region is not None:
-            if op != "call_function" or not isinstance(region, str) or not REGION.fullmatch(region):
-                raise GraphFormatError(f"node {i}: region {region!r} is not a fusion region tag")
+            m = REGION.fullmatch(region) if isinstance(region, str) else None
+            if op != "call_function" or m is None or m.group(1) not in regions:
+                raise GraphFormatError(f"node {i}: region {str(region)[:40]!r} is not a fusion region of the "
+                                       f"passes this graph was built with")
             node.meta["titan_region"] = region
         nodes.append(node)
     if nodes[-1].op != "output":

@@ -15,7 +15,7 @@ from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.data import SyntheticTokens, TokenFile
 from titan.runtime.fusion import compile_program_regions
 from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
-from titan.runtime.graph_format import load_graph
+from titan.runtime.graph_format import load_graph, region_kinds
 from titan.runtime.init import materialize
 from titan.runtime.layout import Layout, group_names
 from titan.runtime.optim import AdamW
@@ -95,8 +95,11 @@ class GraphProgram:
         meta = artifact.rank_meta(rank)
         entry = artifact.rank_entry(rank)
         groups = group_names(mesh)
-        self.forward = load_graph(artifact.read_verified(entry["forward"]), device=device, groups=groups)
-        self.backward = load_graph(artifact.read_verified(entry["backward"]), device=device, groups=groups)
+        regions = region_kinds(artifact.manifest.get("passes"))  # fusion regions only if the build made them
+        self.forward = load_graph(artifact.read_verified(entry["forward"]), device=device, groups=groups,
+                                  regions=regions)
+        self.backward = load_graph(artifact.read_verified(entry["backward"]), device=device, groups=groups,
+                                   regions=regions)
         check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
                    layout=artifact.manifest["layout"],
                    graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})

@@ -63,3 +63,63 @@ def test_unknown_process_group_is_refused():
 def test_malformed_blobs_are_refused(blob):
     with pytest.raises(GraphFormatError):
         _load(blob)
+
+
+@pytest.mark.parametrize("target", ["aten._unsafe_index.Tensor", "aten._unsafe_index_put.default",
+                                    "aten._unsafe_masked_index.default", "aten.as_strided.default",
+                                    "aten.index_select.default", "aten.empty.memory_format", "prims.as_strided.default"])
+def test_ops_titan_never_emits_are_refused_even_if_safe_looking(target):
+    with pytest.raises(GraphFormatError, match="allow-list"):
+        _load(_blob(_mm_graph(target=target)))
+
+
+def test_allow_list_has_no_memory_unsafe_op_and_covers_every_op_titan_builds(debug_artifact):
+    from titan.runtime.artifact import open_artifact
+    from titan.runtime.graph_doc import read_doc
+    from titan.runtime.op_allowlist import ALLOWED_OPS
+
+    assert not {op for op in ALLOWED_OPS if "_unsafe_" in op} - {"aten._unsafe_view.default"}
+    assert not {op for op in ALLOWED_OPS if op.split(".")[1] in ("as_strided", "set_", "from_file", "resize_")}
+    emitted = set()
+    for art in (debug_artifact(), debug_artifact(tp=2)):
+        a = open_artifact(art)
+        for rel in a.manifest["files"]:
+            if rel.startswith("graphs/"):
+                emitted |= {n["target"] for n in read_doc(a.read_verified(rel))["nodes"] if n["op"] == "call_function"}
+    assert emitted - {"getitem"} <= ALLOWED_OPS, emitted - ALLOWED_OPS
+
+
+def _tagged(region):
+    nodes = _mm_graph()
+    nodes[2]["region"] = region
+    return _blob(nodes)
+
+
+def test_region_tags_only_of_the_fusion_pass_the_graph_was_built_with():
+    gm = load_graph(_tagged("exact#0"), device=torch.device("cpu"), groups={}, regions=frozenset({"exact"}))
+    assert [n.meta.get("titan_region") for n in gm.graph.nodes] == [None, None, "exact#0", None]
+    for region, allowed in (("exact#0", frozenset()), ("block#3", frozenset({"exact"})), ("exact", frozenset({"exact"})),
+                            (["exact#0"], frozenset({"exact"}))):
+        with pytest.raises(GraphFormatError, match="region"):
+            load_graph(_tagged(region), device=torch.device("cpu"), groups={}, regions=allowed)
+
+
+@pytest.mark.parametrize("depth", [40, 5000])
+def test_deeply_nested_values_are_refused(depth):
+    nodes = _mm_graph()
+    nodes[2]["args"] = [{"$n": 0}, "DEEP"]
+    # msgpack will not pack thousands of levels: splice them in as raw bytes (fixarray of 1).
+    blob = _blob(nodes).replace(msgpack.packb("DEEP"), b"\x91" * depth + b"\x01")
+    with pytest.raises(GraphFormatError):
+        _load(blob)
+
+
+@pytest.mark.parametrize("dim", [8, -9, 1 << 20])
+def test_dimension_arguments_are_bounded(dim):
+    nodes = [
+        {"name": "a", "op": "placeholder"},
+        {"name": "s", "op": "call_function", "target": "aten.unsqueeze.default", "args": [{"$n": 0}, dim], "kwargs": {}},
+        {"name": "output", "op": "output", "args": [{"$t": [{"$n": 1}]}]},
+    ]
+    with pytest.raises(GraphFormatError, match="dimension"):
+        _load(_blob(nodes))

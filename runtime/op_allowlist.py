@@ -1,0 +1,81 @@
+"""The ops a titan graph may call: exactly those titan-build emits for its models, in every
+layout, pass set, dtype and activation-checkpointing mode (collected by building the debug
+layouts under each and reading the graphs back, then reviewed by hand), versioned with the
+graph format. A graph naming anything else is refused before it is built, so a crafted
+artifact cannot reach the rest of aten: ops that read files, address memory through raw
+strides or storages, or skip bounds checks by design (`_unsafe_index`, `_unsafe_index_put`,
+`_unsafe_masked_index*`, `as_strided`, `set_`, `from_file`, ...) are simply not here.
+
+`_unsafe_view` is here: it is `view` without autograd's alias tracking, checks its size as
+`view` does, and AOT autograd emits it for every reshape.
+
+A builder change that emits a new op fails tests/test_graph_format.py until the op is
+reviewed and added here (and OPS_VERSION bumped when an artifact could then carry it).
+"""
+
+from __future__ import annotations
+
+OPS_VERSION = 1
+
+ALLOWED_OPS: frozenset[str] = frozenset({
+    # collectives (process groups are bound by the runtime: "$group")
+    "_c10d_functional.all_gather_into_tensor.default",
+    "_c10d_functional.all_reduce.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.wait_tensor.default",
+    # attention, dispatched per device (runtime/ops.py)
+    "titan.attention.default",
+    "titan.attention_backward.default",
+    # matmul, loss, embedding
+    "aten.mm.default",
+    "aten._log_softmax.default",
+    "aten._log_softmax_backward_data.default",
+    "aten.nll_loss_forward.default",
+    "aten.nll_loss_backward.default",
+    "aten.embedding.default",
+    "aten.embedding_dense_backward.default",
+    # element-wise
+    "aten.add.Tensor",
+    "aten.sub.Tensor",
+    "aten.mul.Tensor",
+    "aten.mul.Scalar",
+    "aten.div.Tensor",
+    "aten.div.Scalar",
+    "aten.neg.default",
+    "aten.pow.Scalar",
+    "aten.pow.Tensor_Scalar",
+    "aten.reciprocal.default",
+    "aten.rsqrt.default",
+    "aten.cos.default",
+    "aten.sin.default",
+    "aten.silu.default",
+    "aten.silu_backward.default",
+    "aten.bitwise_or.Tensor",
+    "aten.ge.Scalar",
+    "aten.lt.Scalar",
+    "aten.where.self",
+    "aten._to_copy.default",
+    "aten.clone.default",
+    "aten.detach.default",
+    "aten.lift_fresh_copy.default",
+    # reductions
+    "aten.mean.dim",
+    "aten.sum.dim_IntList",
+    # creation (sizes bounded by the loader)
+    "aten.arange.default",
+    "aten.arange.start_step",
+    # shape and layout (views check their sizes against their input)
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.expand.default",
+    "aten.t.default",
+    "aten.transpose.int",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.select.int",
+    "aten.select_backward.default",
+    "aten.slice.Tensor",
+    "aten.split.Tensor",
+    "aten.cat.default",
+    "aten.stack.default",
+})
