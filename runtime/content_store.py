@@ -191,22 +191,41 @@ class ContentStore:
     """Blobs by content, authenticated records by name, markers, locks; see the module docstring.
     `record_kinds` are the record directories this store keeps (e.g. "ranks", "entries")."""
 
-    def __init__(self, root: Path, *, record_kinds: tuple[str, ...], extra_dirs: tuple[str, ...] = ()):
+    def __init__(self, root: Path, *, record_kinds: tuple[str, ...], extra_dirs: tuple[str, ...] = (),
+                 titan_made_root: bool = False):
         self.root = Path(root).expanduser()
         self.shared = shared_opt_in()
         self.record_kinds = record_kinds
         self.expected_dirs = COMMON_DIRS + record_kinds + extra_dirs
         self._mode = 0o2775 if self.shared else 0o755
         self._fds: dict[str, int] = {}
+        self._root_fd = -1
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=self._mode)
-            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+            if titan_made_root:  # a directory titan makes inside another store: never a link
+                self.root.parent.mkdir(parents=True, exist_ok=True, mode=self._mode)
+                parent = os.open(self.root.parent, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+                try:
+                    self._root_fd = self._subdir(parent, self.root.name, self.root)
+                finally:
+                    os.close(parent)
+            else:  # the directory the user chose (it may be a link the user made)
+                self.root.mkdir(parents=True, exist_ok=True, mode=self._mode)
+                self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
         except OSError as e:
             raise StoreError(f"cannot use cache directory {self.root}: {e.strerror or e}; pass --cache-dir "
                              "or set TITAN_CACHE_DIR to a writable directory") from None
         self._check(self._root_fd, self.root)
         for sub in COMMON_DIRS + record_kinds:
             self._fds[sub] = self._subdir(self._root_fd, sub, self.root / sub)
+        for sub in extra_dirs:  # kept by another store: checked here, never opened through a link
+            try:
+                st = os.stat(sub, dir_fd=self._root_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                what = "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory"
+                raise StoreError(f"{self.root / sub} {what}, which titan never makes (planted?): remove it, or run "
+                                 "titan-cache verify --remove")
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -327,7 +346,10 @@ class ContentStore:
             return False
 
     def remove_blob(self, sha: str) -> None:
-        dir_fd = self._blob_dir(sha, create=False)
+        try:
+            dir_fd = self._blob_dir(sha, create=False)
+        except StoreError:
+            return  # its directory is not one titan made: verify reports it, nothing is deleted through it
         if dir_fd is not None:
             try:
                 os.unlink(sha, dir_fd=dir_fd)

@@ -45,7 +45,7 @@ class KernelEntry:
 class KernelStore:
     def __init__(self, root: Path | None = None):
         self.root = root if root is not None else kernel_store_root()
-        self.store = ContentStore(self.root, record_kinds=(RECORD_KIND,))
+        self.store = ContentStore(self.root, record_kinds=(RECORD_KIND,), titan_made_root=True)
 
     def load(self, key: str) -> tuple[bytes, str] | None:
         """The compiled region's bytes and sha256 stored under `key`, or None (absent, not
