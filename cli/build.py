@@ -39,9 +39,11 @@ from titan.cli.errors import user_errors
 @click.option("--cache-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
+@click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
+              "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
 @user_errors
 def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
-         jobs, cache_dir, explain):
+         jobs, cache_dir, explain, kernels):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     if list_passes:
         from titan.builder.passes import PASSES, default_passes
@@ -97,6 +99,10 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     if outcome.hit:
         click.echo(f"cache: hit ({outcome.key[:12]})")
     manifest = outcome.manifest
+    if kernels:
+        from titan.builder.kernels import add_kernels
+        manifest, stats = add_kernels(cache, outcome.key, out)
+        click.echo(f"kernels: {len(manifest.get('kernels', {}))} in the artifact; {stats.line()}")
     size = sum((out / rel).stat().st_size for rel in manifest["files"])
     graphs = sum(1 for rel in manifest["files"] if rel.startswith("graphs/"))
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {graphs} distinct graphs for {world} ranks) "

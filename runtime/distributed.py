@@ -47,6 +47,9 @@ def pick_device(requested: str, env: RankEnv, *, deterministic: bool = False) ->
     if not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible here; use --device cpu")
     count = torch.cuda.device_count()
+    if os.environ.get("TITAN_VIRTUAL_LOCAL_RANK") == "1":  # titan-run gave this rank its own GPU as cuda:0
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
     if env.local_rank >= count:
         raise ValueError(f"this host has {count} GPU(s) but needs {env.local_world_size} for its local ranks; "
                          "run on a host with enough GPUs, or use --device cpu")

@@ -33,16 +33,33 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _rank_gpus(world_size: int) -> list[str] | None:
+    """The GPU each local rank gets (as CUDA_VISIBLE_DEVICES names it), when the host has one per
+    rank. Each rank then sees only its own GPU, as cuda:0 (as torchrun --virtual-local-rank
+    does): generated kernels name their device index, and this way every rank's kernels are
+    the same kernels (runtime/fusion.py)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return ids[:world_size] if len(ids) >= world_size else None
+
+
 def spawn_local(module: str, args: list[str], world_size: int) -> int:
     """Run `world_size` ranks on this host; returns 0, or the first failing rank's exit code."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    gpus = _rank_gpus(world_size)
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
                    TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1")
+        if gpus is not None:
+            env.update(CUDA_VISIBLE_DEVICES=gpus[rank], TITAN_VIRTUAL_LOCAL_RANK="1")
         procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env))
     try:
         while True:

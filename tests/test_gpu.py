@@ -93,3 +93,39 @@ def test_one_kernel_adamw_bitwise_equal_to_torch_single_tensor_adamw():
         for p, q, m, v in zip(params, ref_params, ours.exp_avg, ours.exp_avg_sq):
             assert torch.equal(p, q)
             assert torch.equal(m, ref.state[q]["exp_avg"]) and torch.equal(v, ref.state[q]["exp_avg_sq"])
+
+
+def _fusion_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("fusion: "))
+
+
+@pytest.mark.gpu(count=1)
+def test_second_run_loads_every_kernel_and_compiles_none(tmp_path):
+    env = dict(__import__("os").environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
+    art = tmp_path / "art"
+    assert titan("build", "--flavor", "debug", "--dtype", "bf16", "--out", art, env=env).returncode == 0
+    first = titan("run", art, "--steps", 2, "--device", "cuda", env=env)
+    assert first.returncode == 0, first.stderr
+    assert " 0 compiled" not in _fusion_line(first.stdout)
+    second = titan("run", art, "--steps", 2, "--device", "cuda", env=env)
+    assert second.returncode == 0, second.stderr
+    assert " 0 compiled" in _fusion_line(second.stdout), second.stdout
+
+
+@pytest.mark.gpu(count=1)
+def test_artifact_built_with_kernels_runs_on_an_empty_cache_without_compiling(tmp_path):
+    import shutil
+
+    env = dict(__import__("os").environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
+    art = tmp_path / "art"
+    r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--kernels", "--out", art, env=env)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["kernels"] and all(rel in manifest["files"] for rel in manifest["kernels"].values())
+    copied = tmp_path / "copied"
+    shutil.copytree(art, copied)
+    fresh = dict(env, TITAN_CACHE_DIR=str(tmp_path / "empty-cache"))
+    run = titan("run", copied, "--steps", 2, "--device", "cuda", env=fresh)
+    assert run.returncode == 0, run.stderr
+    line = _fusion_line(run.stdout)
+    assert " 0 compiled" in line and " 0 from the kernel store" in line, line
