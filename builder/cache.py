@@ -122,17 +122,21 @@ class Cache:
             shas.update(record.get(k) for k in RANK_BLOBS if isinstance(record.get(k), str))
         return shas
 
-    def info(self, key: str) -> EntryInfo | None:
+    def info(self, key: str, sizes: dict[str, int] | None = None) -> EntryInfo | None:
         entry = self.entry_record(key)
         if entry is None:
             return None
-        sizes = {b.sha: b.size for b in self.store.blobs()}
+        sizes = sizes if sizes is not None else self._blob_sizes()
         size = sum(sizes.get(s, 0) for s in self.entry_blobs(entry))
         last = self.store.last_used(key) or entry.get("created_ts", 0.0)
         return EntryInfo(key=key, entry=entry, size=size, last_used=last)
 
+    def _blob_sizes(self) -> dict[str, int]:
+        return {b.sha: b.size for b in self.store.blobs()}
+
     def entries(self) -> list[EntryInfo]:
-        return [i for i in (self.info(k) for k in self.entry_keys()) if i is not None]
+        sizes = self._blob_sizes()
+        return [i for i in (self.info(k, sizes) for k in self.entry_keys()) if i is not None]
 
     def resolve(self, prefix: str) -> str:
         matches = [k for k in self.entry_keys() if k.startswith(prefix)]
