@@ -176,6 +176,16 @@ class StoreLock:
         self.release()
 
 
+def _planted_kind(dir_fd: int, name: str, error: OSError) -> str:
+    """What stands where a directory should be (open(O_DIRECTORY | O_NOFOLLOW) says ENOTDIR for a link)."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except OSError:
+        return f"cannot be opened ({error.strerror})"
+    return "is a symbolic link" if stat.S_ISLNK(mode) else "is not a directory" if not stat.S_ISDIR(mode) \
+        else f"cannot be opened ({error.strerror})"
+
+
 def _remove_planted(dir_fd: int, name: str) -> None:
     """Remove a directory entry that is not what titan makes (a link, FIFO, ...): unlink never
     follows a link, and a planted directory is removed only if empty."""
@@ -259,8 +269,7 @@ class ContentStore:
         try:
             fd = os.open(name, _DIR, dir_fd=parent_fd)
         except OSError as e:
-            what = "is a symbolic link" if e.errno == errno.ELOOP else \
-                "is not a directory" if e.errno == errno.ENOTDIR else f"cannot be opened ({e.strerror})"
+            what = _planted_kind(parent_fd, name, e)
             raise StoreError(f"{path} {what}, which titan never makes (planted?): remove it, or run "
                              f"titan-cache verify --remove") from None
         try:

@@ -9,18 +9,25 @@ import statistics
 from pathlib import Path
 
 REQUIRED = ("step", "loss", "tokens_per_s", "step_time_s")
+MAX_METRICS_BYTES = 1 << 30
+"""A million steps of metrics are ~150 MB."""
 
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics file; ValueError naming the line for anything else."""
+    from titan.runtime.safe_files import check_depth, read_user_file
+
     path = Path(path)
     records = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    # A regular file of bounded size (a FIFO or /dev/zero is refused, not read forever).
+    text = read_user_file(path, max_size=MAX_METRICS_BYTES, what=f"metrics file {path}").decode(errors="replace")
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-        except ValueError:
+            check_depth(rec, 8, f"{path}: line {number}")
+        except (ValueError, RecursionError):
             raise ValueError(f"{path}: line {number} is not JSON; is this a titan-run --metrics file?") from None
         missing = [k for k in REQUIRED if not isinstance(rec, dict) or not isinstance(rec.get(k), (int, float))]
         if missing:
