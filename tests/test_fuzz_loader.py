@@ -27,6 +27,7 @@ from titan.runtime.graph_format import load_graph
 from titan.runtime.train import GraphProgram
 
 EXAMPLES = int(os.environ.get("TITAN_FUZZ_EXAMPLES", "60"))
+REPORT = os.environ.get("TITAN_FUZZ_REPORT")
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 HOSTILE_TARGETS = ["builtins.eval", "builtins.exec", "os.system", "posix.system", "subprocess.Popen",
@@ -75,6 +76,9 @@ def expect_clean(category: str, fn, *args, **kwargs):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+    if REPORT:  # long runs: the table so far, readable while the run goes on
+        with open(REPORT, "w") as f:
+            json.dump(OUTCOMES, f, indent=1, sort_keys=True)
 
 
 @pytest.fixture(scope="module")
