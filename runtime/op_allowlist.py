@@ -34,6 +34,8 @@ ALLOWED_OPS: frozenset[str] = frozenset({
     "aten.nll_loss_backward.default",
     "aten.embedding.default",
     "aten.embedding_dense_backward.default",
+    # the vocab-parallel embedding's mask with --passes '' (bounds-checked, unlike _unsafe_index_put)
+    "aten.index_put.default",
     # element-wise
     "aten.add.Tensor",
     "aten.sub.Tensor",

@@ -26,7 +26,7 @@ from titan.runtime.artifact import open_artifact
 from titan.runtime.graph_format import load_graph
 from titan.runtime.train import GraphProgram
 
-EXAMPLES = int(os.environ.get("TITAN_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("TITAN_FUZZ_EXAMPLES", "30"))
 REPORT = os.environ.get("TITAN_FUZZ_REPORT")
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
