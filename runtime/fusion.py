@@ -134,8 +134,8 @@ class FusionStats:
 
     def line(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
-        return (f"fusion: {self.regions} regions ({kinds}): {self.compiled} compiled, {self.from_artifact} loaded from "
-                f"the artifact, {self.loaded} from the kernel store, {self.reused} shared, in {self.seconds:.1f} s"
+        return (f"fusion: {self.regions} regions ({kinds}): {self.compiled} compiled, {self.loaded} loaded from the "
+                f"kernel store, {self.from_artifact} from the artifact, {self.reused} shared, in {self.seconds:.1f} s"
                 + (f" ({self.unstored} not stored)" if self.unstored else ""))
 
 

@@ -35,12 +35,15 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
     # Loaded kernels are the compiled ones: the same losses, bit for bit.
     a, b = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    # An edited kernel file fails its recorded sha256 and is compiled again, never loaded.
-    victim = sorted((tmp_path / "cache" / "kernels").glob("*.bin"))[0]
+    # An edited kernel fails the digest its authenticated record holds and is compiled again, never loaded.
+    kernels = tmp_path / "cache" / "kernels"
+    key = sorted(p.stem for p in (kernels / "kernels").glob("*.json"))[0]
+    sha = json.loads((kernels / "kernels" / f"{key}.json").read_text())["record"]["sha256"]
+    victim = kernels / "blobs" / sha[:2] / sha
     data = victim.read_bytes()
     victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
     bad = titan("cache", "verify", env=env)
-    assert bad.returncode == 1 and f"corrupt kernel: {victim.stem}" in bad.stdout
+    assert bad.returncode == 1 and f"corrupt kernel: {key}" in bad.stdout
     third = titan("run", art, "--steps", 1, env=env)
     assert third.returncode == 0, third.stderr
     assert f"1 compiled, {compiled - 1} loaded" in _fusion_line(third.stdout)
@@ -56,7 +59,7 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
     # gc goes by last use: kernels that a run loaded stay; unused ones go.
     def age_kernels():
         old = time.time() - 3 * 86400
-        for k in (tmp_path / "cache" / "kernels").glob("*.bin"):
+        for k in (kernels / "used").iterdir():
             os.utime(k, (old, old))
 
     age_kernels()
@@ -67,7 +70,7 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
     age_kernels()
     gone = titan("cache", "gc", "--older-than", "1d", env=env)
     assert gone.returncode == 0 and f"removed {compiled} compiled kernels" in gone.stdout
-    assert not list((tmp_path / "cache" / "kernels").glob("*.bin"))
+    assert not list((kernels / "kernels").glob("*.json"))
 
 
 def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact):

@@ -128,4 +128,4 @@ def test_artifact_built_with_kernels_runs_on_an_empty_cache_without_compiling(tm
     run = titan("run", copied, "--steps", 2, "--device", "cuda", env=fresh)
     assert run.returncode == 0, run.stderr
     line = _fusion_line(run.stdout)
-    assert " 0 compiled" in line and " 0 from the kernel store" in line, line
+    assert " 0 compiled" in line and " 0 loaded from the kernel store" in line, line
