@@ -102,11 +102,11 @@ class KernelStore:
             record, why = self.store.record_state(RECORD_KIND, key)
             if record is None:
                 tampered.append(f"kernel {why}")
-            elif not self.store.blob_intact(record.get("sha256"), max_size=MAX_KERNEL_BYTES):
-                bad.append(key)
             else:
-                named.add(record["sha256"])
-                continue
+                named.add(record.get("sha256"))
+                if self.store.blob_intact(record.get("sha256"), max_size=MAX_KERNEL_BYTES):
+                    continue
+                bad.append(key)
             if remove:
                 self.remove(key)
         strays = self.store.strays()
