@@ -539,6 +539,9 @@ def layout_problems(root: Path, expected_dirs: tuple[str, ...]) -> list[str]:
         except FileNotFoundError:
             continue
         except OSError as e:
+            if not sub:  # the directory given cannot be a store at all: a user error, not tampering
+                raise StoreError(f"cannot use cache directory {root}: {e.strerror or e}; pass --cache-dir or set "
+                                 "TITAN_CACHE_DIR to a writable directory") from None
             out.append(f"{path}: {e.strerror}")
             continue
         if stat.S_ISLNK(st.st_mode):

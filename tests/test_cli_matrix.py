@@ -69,13 +69,15 @@ CASES: list[tuple[str, ...]] = [
     *[("cache", "--cache-dir", c, sub) for c in BAD_OUT_DIRS for sub in ("ls", "verify")],
     ("cache", "info", "no-such-key"), ("cache", "gc"), ("cache", "gc", "--max-size", "lots"),
     ("cache", "gc", "--older-than", "nan"), ("cache", "gc", "--max-size", "-5G"),
+    ("cache", "gc", "--older-than", "inf"), ("cache", "gc", "--max-size", "inf"),
     *[("build", "--flavor", "debug", *bad) for bad in (
         ("--tp", "0"), ("--tp", "-1"), ("--tp", "abc"), ("--tp", "3"), ("--dp-shard", "0"), ("--dp-replicate", "0"),
-        ("--batch-size", "-1"), ("--seq-len", "1"), ("--seq-len", "nan"), ("--flavor", "nope"), ("--model", "nope"),
+        ("--batch-size", "-1"), ("--batch-size", "inf"), ("--seq-len", "1"), ("--seq-len", "nan"), ("--flavor", "nope"), ("--model", "nope"),
         ("--dtype", "fp8"), ("--passes", "nope"), ("--ac", "most"), ("--partitioner", "best"), ("--fuse", "all"),
         ("--out", "FILE"), ("--out", "UNDER_FILE"), ("--cache-dir", "FILE"), ("--cache-dir", "UNDER_FILE"))],
     *[("run", "ART", *bad) for bad in (
-        ("--steps", "-1"), ("--steps", "abc"), ("--steps", "1.5"), ("--lr", "abc"), ("--seed", "abc"),
+        ("--steps", "-1"), ("--steps", "abc"), ("--steps", "1.5"), ("--steps", "inf"), ("--lr", "abc"),
+        ("--seed", "abc"), ("--seed", "nan"),
         ("--batch-size", "999"), ("--seq-len", "7"), ("--checkpoint-every", "0"), ("--device", "tpu"),
         ("--timeout", "0"), ("--timeout", "abc"), ("--data-dtype", "int8"))],
     *[("verify", "ART", *bad) for bad in (("--steps", "0"), ("--steps", "abc"), ("--device", "tpu"))],
