@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from titan.runtime.artifact import cache_root
-from titan.runtime.content_store import ContentStore, StoreError, StoreLock, layout_problems, remove_planted_dirs
+from titan.runtime.content_store import ContentStore, StoreError, layout_problems, remove_planted_dirs
+from titan.runtime.store_lock import StoreLock
 
 # gc leaves unreferenced files younger than this alone: a running build may be about to commit them.
 UNREFERENCED_GRACE_S = 600.0

@@ -26,9 +26,7 @@ directory others may write, which the record authentication above makes safe to 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
-import hmac
 import json
 import os
 import re
@@ -36,13 +34,13 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
+from titan.runtime.record_signing import authentic, sign
 from titan.runtime.safe_files import MAX_JSON_BYTES, UnsafeFile, loads_json, open_dir_below, read_regular_at
+from titan.runtime.store_lock import StoreLock, unlink_planted
 
-KEY_FILE_ENV = "TITAN_KEY_FILE"
 SHARED_ENV = "TITAN_SHARED_CACHE"
-RECORD_FORMAT = "titan-record-v1"
 SHA256 = re.compile(r"[0-9a-f]{64}")
 NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
 COMMON_DIRS = ("blobs", "used", "locks", "tmp")
@@ -57,55 +55,6 @@ class StoreError(ValueError):
 
 def shared_opt_in() -> bool:
     return os.environ.get(SHARED_ENV, "") == "1"
-
-
-def key_file() -> Path:
-    return Path(os.environ.get(KEY_FILE_ENV) or "~/.config/titan/cache.key").expanduser()
-
-
-_KEYS: dict[str, bytes] = {}
-
-
-def user_key() -> bytes:
-    """This user's record-signing key: created (0600) on first use, refused if others could
-    read or replace it."""
-    path = key_file()
-    if str(path) in _KEYS:
-        return _KEYS[str(path)]
-    fix = f"set {KEY_FILE_ENV} to a file only you can read and write"
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
-        except FileExistsError:
-            pass
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
-    except OSError as e:
-        raise StoreError(f"cannot use the cache signing key {path}: {e.strerror or e}; {fix}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise StoreError(f"the cache signing key {path} must be a regular file owned by you with mode 0600 "
-                             f"(run: chmod 600 {path}), or {fix}")
-        text = os.read(fd, 256).decode("ascii", "replace").strip()
-    finally:
-        os.close(fd)
-    if not re.fullmatch(r"[0-9a-f]{64}", text):
-        raise StoreError(f"the cache signing key {path} is malformed; delete it (a new one is made) or {fix}")
-    _KEYS[str(path)] = bytes.fromhex(text)
-    return _KEYS[str(path)]
-
-
-def _mac(key: bytes, kind: str, name: str, body: bytes) -> str:
-    # The record's place is part of what is signed: a valid record moved to another name is not valid.
-    return hmac.new(key, b"\0".join((RECORD_FORMAT.encode(), kind.encode(), name.encode(), body)),
-                    hashlib.sha256).hexdigest()
-
-
-def _canonical(record: dict) -> bytes:
-    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _dir_problem(st: os.stat_result, shared: bool) -> str:
@@ -130,71 +79,6 @@ class Blob:
     sha: str
     size: int
     mtime: float
-
-
-class StoreLock:
-    """An exclusive flock on <store>/locks/<name>.lock, opened without following links."""
-
-    def __init__(self, locks_fd: int, name: str):
-        self._fd = -1
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
-        for _ in range(2):
-            try:
-                fd = os.open(name, flags, 0o644, dir_fd=locks_fd)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-                    raise
-            else:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    self._fd = fd
-                    return
-                os.close(fd)
-            _remove_planted(locks_fd, name)  # something planted where the lock goes: not ours, drop it
-        raise StoreError(f"cannot create the lock {name}: something keeps replacing it")
-
-    def acquire(self, *, blocking: bool, on_wait: Callable[[], None] | None = None) -> bool:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if not blocking:
-                return False
-        if on_wait:
-            on_wait()
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        return True
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # closing drops the flock
-            self._fd = -1
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
-
-
-def _planted_kind(dir_fd: int, name: str, error: OSError) -> str:
-    """What stands where a directory should be (open(O_DIRECTORY | O_NOFOLLOW) says ENOTDIR for a link)."""
-    try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    except OSError:
-        return f"cannot be opened ({error.strerror})"
-    return "is a symbolic link" if stat.S_ISLNK(mode) else "is not a directory" if not stat.S_ISDIR(mode) \
-        else f"cannot be opened ({error.strerror})"
-
-
-def _remove_planted(dir_fd: int, name: str) -> None:
-    """Remove a directory entry that is not what titan makes (a link, FIFO, ...): unlink never
-    follows a link, and a planted directory is removed only if empty."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except IsADirectoryError:
-        os.rmdir(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
 
 
 class ContentStore:
@@ -397,8 +281,7 @@ class ContentStore:
     # --- records --------------------------------------------------------------------------------
     def put_record(self, kind: str, name: str, record: dict) -> None:
         assert NAME.fullmatch(name), name
-        body = _canonical(record)
-        signed = {"record": record, "mac": _mac(user_key(), kind, name, body)}
+        signed = {"record": record, "mac": sign(kind, name, record)}
         self._write(self._fds[kind], f"{name}.json", json.dumps(signed, indent=1, sort_keys=True).encode())
 
     def record_state(self, kind: str, name: str) -> tuple[dict | None, str]:
@@ -413,8 +296,7 @@ class ContentStore:
         if not (isinstance(signed, dict) and isinstance(signed.get("record"), dict)
                 and isinstance(signed.get("mac"), str)):
             return None, f"{kind}/{name} is not a titan record"
-        expected = _mac(user_key(), kind, name, _canonical(signed["record"]))
-        if not hmac.compare_digest(expected, signed["mac"]):
+        if not authentic(kind, name, signed["record"], signed["mac"]):
             return None, f"{kind}/{name} is not authenticated (written without your key: tampered, or another user's)"
         return signed["record"], ""
 
@@ -453,7 +335,7 @@ class ContentStore:
         except OSError:
             return
         try:
-            _remove_planted(fd, parts[-1])
+            unlink_planted(fd, parts[-1])
         except OSError:
             pass  # a non-empty planted directory: reported, left for the user
         finally:
@@ -471,7 +353,7 @@ class ContentStore:
                 if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                     raise StoreError(f"cannot write to {self.root}: {e.strerror or e}; free space there or pass "
                                      "--cache-dir with a writable directory") from None
-                _remove_planted(fd_dir, name)
+                unlink_planted(fd_dir, name)
                 continue
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -479,7 +361,7 @@ class ContentStore:
                     return
             finally:
                 os.close(fd)
-            _remove_planted(fd_dir, name)
+            unlink_planted(fd_dir, name)
 
     def last_used(self, name: str) -> float | None:
         try:
@@ -503,7 +385,7 @@ class ContentStore:
             for e in it:
                 try:
                     if now - e.stat(follow_symlinks=False).st_mtime > grace_s:
-                        _remove_planted(self._fds["tmp"], e.name)
+                        unlink_planted(self._fds["tmp"], e.name)
                 except OSError:
                     pass
 
@@ -566,6 +448,6 @@ def remove_planted_dirs(root: Path, expected_dirs: tuple[str, ...]) -> None:
             except OSError:
                 continue
             if not stat.S_ISDIR(st.st_mode):
-                _remove_planted(fd, sub)
+                unlink_planted(fd, sub)
     finally:
         os.close(fd)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.runtime.artifact import cache_root
-from titan.runtime.content_store import ContentStore, StoreLock, layout_problems
+from titan.runtime.content_store import ContentStore, layout_problems
+from titan.runtime.store_lock import StoreLock
 
 RECORD_KIND = "kernels"
 KERNEL_KEY = re.compile(r"[0-9a-f]{32}")
