@@ -85,13 +85,10 @@ def _read_fd(fd: int, *, max_size: int, what: str, sha256: str | None) -> bytes:
     return b"".join(chunks)
 
 
-def read_regular_at(dir_fd: int, name: str, *, max_size: int, what: str,
-                    sha256: str | None = None) -> bytes:
-    """The bytes of a regular file `name` in directory `dir_fd` (not a link), read in chunks and
-    hashed as they come; UnsafeFile (naming `what`) if it is anything else, larger than
-    `max_size`, or does not match `sha256`."""
+def _open_and_read(path, flags: int, *, dir_fd: int | None, max_size: int, what: str,
+                   sha256: str | None) -> bytes:
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError as e:
         raise UnsafeFile(f"{what} {_why(e)}") from None
     try:
@@ -100,17 +97,19 @@ def read_regular_at(dir_fd: int, name: str, *, max_size: int, what: str,
         os.close(fd)
 
 
+def read_regular_at(dir_fd: int, name: str, *, max_size: int, what: str,
+                    sha256: str | None = None) -> bytes:
+    """The bytes of a regular file `name` in directory `dir_fd` (not a link), read in chunks and
+    hashed as they come; UnsafeFile (naming `what`) if it is anything else, larger than
+    `max_size`, or does not match `sha256`."""
+    return _open_and_read(name, _READ_FLAGS, dir_fd=dir_fd, max_size=max_size, what=what, sha256=sha256)
+
+
 def read_user_file(path: Path, *, max_size: int, what: str) -> bytes:
     """A file the user named on the command line (a link the user made is followed; it must end
     at a regular file of at most `max_size` bytes)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise UnsafeFile(f"{what} {_why(e)}") from None
-    try:
-        return _read_fd(fd, max_size=max_size, what=what, sha256=None)
-    finally:
-        os.close(fd)
+    return _open_and_read(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0),
+                          dir_fd=None, max_size=max_size, what=what, sha256=None)
 
 
 def read_regular(root: Path, rel: str, *, max_size: int, what: str, sha256: str | None = None) -> bytes:
