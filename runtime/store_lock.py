@@ -69,15 +69,3 @@ class StoreLock:
 
     def __exit__(self, *exc):
         self.release()
-
-
-def _planted_kind(dir_fd: int, name: str, error: OSError) -> str:
-    """What stands where a directory should be (open(O_DIRECTORY | O_NOFOLLOW) says ENOTDIR for a link)."""
-    try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    except OSError:
-        return f"cannot be opened ({error.strerror})"
-    return "is a symbolic link" if stat.S_ISLNK(mode) else "is not a directory" if not stat.S_ISDIR(mode) \
-        else f"cannot be opened ({error.strerror})"
-
-
