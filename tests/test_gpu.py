@@ -30,6 +30,34 @@ def test_attention_op_matches_sdpa_on_cuda(dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.gpu(count=1)
+def test_cudnn_attention_matches_flash_attention_values_and_layouts():
+    from titan.runtime import ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # As the model calls it: q, k, v and the output's gradient are transposes of (b, s, h, d).
+    q, k, v, grad = (torch.randn(2, 1024, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                     for _ in range(4))
+    if not ops._use_cudnn(q, k, v):
+        pytest.skip("cuDNN attention is not available here (needs Hopper or newer)")
+
+    def run():
+        out, lse = torch.ops.titan.attention(q, k, v)
+        return (out, lse, *torch.ops.titan.attention_backward(grad, q, k, v, out, lse))
+
+    cudnn = run()
+    # Deterministic algorithms select flash-attention 2 (cuDNN attention is nondeterministic).
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not ops._use_cudnn(q, k, v)
+        flash = run()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), cudnn, flash):
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
 def _verify_json(art, tmp_path, name, *flags) -> dict:
     out = tmp_path / f"{name}.json"
     r = titan("verify", art, "--steps", 10, "--device", "cuda", "--json", out, *flags)
