@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from titan.runtime.layout import Layout
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}
 PARTITIONERS = ("min_cut", "default")
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 # Tokens per rank and step: 8B's pretraining batch (16 x 8192) is 2^17; 2^22 is far past what
 # any device holds, and keeps every graph's element counts realistic.
 MAX_TOKENS_PER_RANK = 2**22
@@ -81,26 +83,10 @@ class BuildSpec:
         shapes the graphs and differs from its default (`llama3-debug-tp2-s256-bf16-ac-full`), so
         that two different builds never share a default directory."""
         flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
-        parts = [f"{self.model}{flavor}-{self.layout.tag()}"]
-        default_b, default_s = DEFAULT_SHAPE.get(self.flavor, (1, 8192))
-        if self.batch_size != default_b:
-            parts.append(f"b{self.batch_size}")
-        if self.seq_len != default_s:
-            parts.append(f"s{self.seq_len}")
-        if self.dtype != _default_dtype(self.flavor):
-            parts.append(DTYPE_TAGS[self.dtype])
-        if self.ac != "none":
-            parts.append(f"ac-{self.ac}")
-        if self.partitioner != "min_cut":
-            parts.append(f"{self.partitioner}-partition")
-        defaults = default_passes(dict(self.layout.mesh_shape()))
-        fuse = next((p for p in self.graph_passes if p in ("fuse_regions", "fuse_blocks")), None)
-        if fuse is not None:
-            parts.append(fuse.replace("_", "-"))
-            defaults = tuple(p for p in defaults if p != "fuse_exact") + (fuse,)
-        if self.graph_passes != defaults:
-            parts.append("passes-" + hashlib.sha256(",".join(self.graph_passes).encode()).hexdigest()[:8])
-        return "-".join(parts)
+        return "-".join([f"{self.model}{flavor}-{self.layout.tag()}",
+                         *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
+                                              batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
+                                              ac=self.ac, passes=self.passes)])
 
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -110,6 +96,34 @@ DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16"}
 def _default_dtype(flavor: str) -> str:
     # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
     return "float32" if flavor == "debug" else "bfloat16"
+
+
+def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: int, dtype: str, ac: str,
+                        passes: list[str] | tuple[str, ...]) -> list[str]:
+    """Short tags for each graph-shaping choice that differs from its default, in a fixed order:
+    b4, s256, bf16, ac-full, default-partition, fuse-blocks, passes-<digest of the list>. Names
+    artifacts and tells builds apart in `titan-cache ls`. `passes` as in BuildSpec.passes."""
+    tags = []
+    default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
+    if batch_size != default_b:
+        tags.append(f"b{batch_size}")
+    if seq_len != default_s:
+        tags.append(f"s{seq_len}")
+    if dtype != _default_dtype(flavor):
+        tags.append(DTYPE_TAGS.get(dtype, dtype))
+    if ac != "none":
+        tags.append(f"ac-{ac}")
+    partitioner, *graph_passes = passes
+    if partitioner != "partition:min_cut":
+        tags.append(f"{partitioner.split(':')[-1]}-partition")
+    defaults = default_passes({name: size for name, size in mesh})
+    fuse = next((p for p in graph_passes if p in ("fuse_regions", "fuse_blocks")), None)
+    if fuse is not None:
+        tags.append(fuse.replace("_", "-"))
+        defaults = tuple(p for p in defaults if p != "fuse_exact") + (fuse,)
+    if tuple(graph_passes) != defaults:
+        tags.append("passes-" + hashlib.sha256(",".join(graph_passes).encode()).hexdigest()[:8])
+    return tags
 
 
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int,
@@ -174,6 +188,11 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
     if not ranks:
         return
     ctx = mp.get_context("spawn")
+    # After a Ctrl-C ends this process (os._exit skips the finalizers of the pool's semaphores),
+    # multiprocessing's resource tracker unlinks them, as it should, and warns about each: its
+    # interpreter takes this process's -W options, so that expected cleanup stays silent.
+    if QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(QUIET_TRACKER)
     # A Ctrl-C stops the workers from here (runtime/interrupt.py): they start with SIGINT blocked.
     forget = interrupt.on_interrupt(lambda: interrupt.stop_processes([p.pid for p in mp.active_children()]))
     with interrupt.children_ignore_ctrl_c():  # the pool's threads and every worker they start inherit it

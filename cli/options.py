@@ -10,6 +10,7 @@ range (every comparison with NaN is false, so click.FloatRange admits it) and th
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import click
@@ -21,13 +22,18 @@ class _OneLineErrors:
         try:
             code = super().main(args, prog_name, standalone_mode=False, **kwargs)
         except click.ClickException as e:
-            message = e.format_message().replace("\n", " ")
-            name = prog_name or self.name
-            click.echo(f"error: {message[:1].lower()}{message[1:]} (see {name} --help)", err=True)
+            message = e.format_message().replace("\n", " ").rstrip(".")
+            click.echo(f"error: {message[:1].lower()}{message[1:]}; see {prog_name or _program()} --help", err=True)
             sys.exit(2)
         except click.Abort:
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _program() -> str:
+    """titan-run for the console script and for `python -m titan.cli.run` alike."""
+    name = os.path.basename(sys.argv[0])
+    return f"titan-{name[:-3]}" if name.endswith(".py") else name
 
 
 class Command(_OneLineErrors, click.Command):

@@ -10,14 +10,15 @@ import sys
 import click
 
 from titan.cli.errors import user_errors
+from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, Command, NonEmptyPath
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
-@click.option("--lr", default=8e-4, show_default=True, type=float)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--data", default=None, type=click.Path(dir_okay=False), help="Flat token file (default: synthetic tokens).")
+@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifact", type=NonEmptyPath(file_okay=False))
+@click.option("--steps", default=10, show_default=True, type=POSITIVE)
+@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE)
+@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--data", default=None, type=NonEmptyPath(dir_okay=False), help="Flat token file (default: synthetic tokens).")
 @click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
               help="Token file element type (default: from its titan-data sidecar, else uint16).")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
@@ -26,7 +27,7 @@ from titan.cli.errors import user_errors
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")
 @click.option("--fused-adamw/--no-fused-adamw", default=True, show_default=True,
               help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", default=None, type=NonEmptyPath(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
 @user_errors
 def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path):

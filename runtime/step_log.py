@@ -21,7 +21,7 @@ from typing import TextIO
 from titan.runtime import interrupt
 from titan.runtime.progress import StatusLine, bar, duration, is_terminal
 
-TENSORBOARD_HINT = "pip install 'titan-aot[watch]' (or: pip install tensorboard)"
+TENSORBOARD_HINT = "pip install -e '.[watch]' from a clone (or: pip install tensorboard)"
 SCALARS = ("loss", "tokens_per_s", "step_time_s", "peak_mem_gib")
 
 

@@ -131,7 +131,7 @@ def test_missing_tokenizer_package_names_the_install_command(tmp_path):
                         "--tokenizer", str(tmp_path / "tokenizer.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip() == (f"error: --tokenizer {tmp_path / 'tokenizer.json'} is a tokenizer.json, which needs "
-                                "the tokenizers package: pip install 'titan-aot[data]' (or: pip install tokenizers "
+                                "the tokenizers package: pip install -e '.[data]' from a clone (or: pip install tokenizers "
                                 "tiktoken)")
 
 

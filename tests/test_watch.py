@@ -157,5 +157,5 @@ def test_missing_tensorboard_names_the_install_command(debug_artifact, tmp_path)
     r = subprocess.run([sys.executable, "-c", code, str(debug_artifact()), "--tensorboard", str(tmp_path / "tb")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
-    assert r.stderr.strip() == ("error: --tensorboard needs the tensorboard package: pip install 'titan-aot[watch]' "
-                                "(or: pip install tensorboard)")
+    assert r.stderr.strip() == ("error: --tensorboard needs the tensorboard package: pip install -e '.[watch]' "
+                                "from a clone (or: pip install tensorboard)")
