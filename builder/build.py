@@ -194,7 +194,7 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
     if QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(QUIET_TRACKER)
     # A Ctrl-C stops the workers from here (runtime/interrupt.py): they start with SIGINT blocked.
-    forget = interrupt.on_interrupt(lambda: interrupt.stop_processes([p.pid for p in mp.active_children()]))
+    forget = interrupt.on_interrupt(_stop_workers)
     with interrupt.children_ignore_ctrl_c():  # the pool's threads and every worker they start inherit it
         stages = ctx.Queue()
         pool = cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
@@ -212,6 +212,15 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
             for fut in finished:
                 yield fut.result()
     forget()
+
+
+def _stop_workers() -> None:
+    # Again while any is left: the pool's thread may have started one meanwhile.
+    for _ in range(3):
+        workers = mp.active_children()
+        if not workers:
+            return
+        interrupt.stop_processes([p.pid for p in workers])
 
 
 def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:

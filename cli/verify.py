@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import sys
+import time
 
 import click
 
@@ -41,10 +42,20 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
     if "RANK" in os.environ:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))
+    from titan.runtime import timings
     art = open_artifact(artifact)
+    key = f"{art.manifest.get('cache_key', art.root.name)}-{steps}-{device}"
+    click.echo(f"titan-verify {art.root}: training {steps} step(s) eagerly and from the artifact on {art.world_size} "
+               f"rank(s), then comparing every loss and parameter{timings.expectation('verify', key)}")
+    t0 = time.perf_counter()
     art.verify_all()
+    from titan.runtime.run_state import RunState
+    RunState(cfg, art.manifest, art.rank_meta(0)["params"]).close()  # the run's checks (--data), once
     from titan.runtime.launch import spawn_local
-    sys.exit(spawn_local("titan.cli.verify", sys.argv[1:], art.world_size))
+    code = spawn_local("titan.cli.verify", sys.argv[1:], art.world_size)
+    if code in (0, 1):  # finished (equal or not)
+        timings.record("verify", key, time.perf_counter() - t0)
+    sys.exit(code)
 
 
 def _rank(artifact: str, cfg, json_path: str | None) -> int:
