@@ -195,8 +195,10 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
         sys.warnoptions.append(QUIET_TRACKER)
     # A Ctrl-C stops the workers from here (runtime/interrupt.py): they start with SIGINT blocked.
     forget = interrupt.on_interrupt(_stop_workers)
+    # The queue starts multiprocessing's resource tracker, whose start unblocks SIGINT in the
+    # calling thread when it is done: so it comes before the block below, not inside it.
+    stages = ctx.Queue()
     with interrupt.children_ignore_ctrl_c():  # the pool's threads and every worker they start inherit it
-        stages = ctx.Queue()
         pool = cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
                                       max_tasks_per_child=1, initializer=rank_progress.attach, initargs=(stages,))
         pending = {pool.submit(trace_rank, RankJob(build=spec, rank=r))

@@ -51,7 +51,7 @@ from titan.cli.options import LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEO
 @click.option("--checkpoint-every", default=None, type=POSITIVE, help="Also checkpoint every K steps.")
 @click.option("--resume", is_flag=True, help="Continue from the latest complete checkpoint in --checkpoint-dir.")
 @click.option("--resume-with-changes", is_flag=True,
-              help="With --resume: accept a --seed, --data, --lr or batch shape other than the checkpoint's.")
+              help="With --resume: accept a --seed, --data or --lr other than the checkpoint's.")
 @user_errors
 def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, tensorboard, device, deterministic,
          timeout_s, cuda_graphs, fused_adamw, init_from_hf, checkpoint_dir, checkpoint_every, resume,

@@ -82,10 +82,13 @@ def deferred() -> Iterator[None]:
 
 @contextlib.contextmanager
 def children_ignore_ctrl_c() -> Iterator[None]:
-    """Processes and threads started inside inherit a blocked SIGINT (see the module doc)."""
+    """Processes and threads started inside inherit a blocked SIGINT (see the module doc).
+    Nothing inside may unblock it: multiprocessing's resource tracker does when it starts (start
+    it first, e.g. by making the pool's queue before this block)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
+        assert signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()), "SIGINT was unblocked inside"
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 

@@ -98,13 +98,11 @@ class RunState:
                 self.hf.check_shape(p)
 
     def _settings(self) -> dict:
-        """What decides a run's losses besides the model: recorded in each checkpoint and
-        compared on --resume (the layout may change: checkpoints reshard exactly)."""
-        m, cfg = self.manifest, self.cfg
-        return {"--seed": cfg.seed, "--data": None if cfg.data is None else os.path.abspath(cfg.data),
-                "--lr": cfg.lr, "--seq-len": m["seq_len"],
-                "global batch": m["batch_size"] * m["layout"]["dp_replicate"] * m["layout"]["dp_shard"],
-                "--dtype": m.get("dtype")}
+        """The run's own settings that decide its losses: recorded in each checkpoint and
+        compared on --resume. The artifact's choices (layout, batch shape, dtype) may change on a
+        resume: checkpoints reshard exactly, and picking another artifact is deliberate."""
+        cfg = self.cfg
+        return {"--seed": cfg.seed, "--data": None if cfg.data is None else os.path.abspath(cfg.data), "--lr": cfg.lr}
 
     def _changed_settings(self) -> list[str]:
         recorded = self.resumed.get("settings")

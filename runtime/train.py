@@ -66,7 +66,7 @@ class RunConfig:
     resume: bool = False
     """Continue from the latest complete checkpoint in checkpoint_dir."""
     resume_with_changes: bool = False
-    """On resume, accept settings (seed, data, lr, batch shape) other than the checkpoint's."""
+    """On resume, accept a seed, data file or learning rate other than the checkpoint's."""
 
 
 # AdamW hyperparameters as torchtitan sets them; the eager reference uses the same.

@@ -156,9 +156,9 @@ def test_data_that_is_not_a_usable_token_file_is_one_error_before_any_rank_start
     empty.write_bytes(b"")
     text.write_text("these are words that a tokenizer should see first\n" * 50)
     np.arange(100, dtype="<u2").tofile(short)
-    for path, words in ((empty, f"--data {empty} is empty; write a token file with titan-data"),
-                        (text, f"--data {text} is text, not a token file; tokenize it with titan-data {text}"),
-                        (short, f"--data {short}: 100 tokens is fewer than one sequence of 129")):
+    for path, words in ((empty, f"error: --data {empty} is empty; write a token file with titan-data"),
+                        (text, f"error: --data {text} is text, not a token file; tokenize it with titan-data {text}"),
+                        (short, f"error: --data {short}: 100 tokens is fewer than one sequence of 129")):
         r = titan("run", art, "--steps", 1, "--data", path)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(words), r.stderr  # once, not per rank
