@@ -63,10 +63,11 @@ def _interrupt_at(commands: list[tuple[list[str], dict, float]], tmp_path: Path,
     its start (or after its `ready` file has a line: argv may hold {i}); wait for all."""
     started = []
     for i, (argv, env, delay) in enumerate(commands):
-        err = tmp_path / f"err-{len(list(tmp_path.glob('err-*')))}"
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=open(err, "w"),
+        n = len(list(tmp_path.glob('err-*')))
+        err, out = tmp_path / f"err-{n}", tmp_path / f"out-{n}"
+        p = subprocess.Popen(argv, env=env, stdout=open(out, "w"), stderr=open(err, "w"),
                              start_new_session=True, preexec_fn=_default_sigint)
-        started.append({"p": p, "err": err, "delay": delay, "t0": time.monotonic(), "argv": argv, "sent": False})
+        started.append({"p": p, "err": err, "out": out, "delay": delay, "t0": time.monotonic(), "argv": argv, "sent": False})
     if ready is not None:  # the delay counts from the first line in each run's file
         for run in started:
             path = Path(str(ready).format(i=started.index(run)))
@@ -93,6 +94,7 @@ def _interrupt_at(commands: list[tuple[list[str], dict, float]], tmp_path: Path,
         time.sleep(0.2)
         run["left"] = _session_pids(run["p"].pid)
         run["stderr"] = run["err"].read_text()
+        run["stdout"] = run["out"].read_text()
     return started
 
 
@@ -100,8 +102,11 @@ def _check_interrupted(run: dict) -> bool:
     """True for an instant that interrupted the command, False for one after it had finished."""
     where = f"SIGINT at {run['delay']:.2f} s: {' '.join(run['argv'][2:])}"
     assert not run["left"], f"{where}: processes left behind: {run['left']}"
-    if not run["sent"]:  # finished first (a loaded machine sends late)
+    if not run["sent"] or run["code"] == 0:
+        # It finished first (a loaded machine sends late), or the signal came after its last
+        # bytecode: then its work is all done.
         assert run["code"] == 0, f"{where}: exit {run['code']}: {run['stderr'][-3000:]}"
+        assert run["stdout"].splitlines()[-1].startswith("wrote "), f"{where}: a lost interrupt: {run['stdout']}"
         return False
     if run["code"] == -signal.SIGINT:
         # Before the interpreter ran any of titan's code, SIGINT's default action ends it: the
