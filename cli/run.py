@@ -57,34 +57,47 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
          timeout_s, cuda_graphs, fused_adamw, init_from_hf, checkpoint_dir, checkpoint_every, resume,
          resume_with_changes):
     """Train from ARTIFACT (a directory written by titan-build)."""
-    from titan.runtime.train import RunConfig
-
     if resume_with_changes and not resume:
         raise ValueError("--resume-with-changes only applies with --resume")
+    launcher = "RANK" not in os.environ  # else one rank: spawned by the launcher below, or by torchrun
+    if launcher:
+        t0 = time.time()
+        art = _announce(artifact, device)  # the first line, before torch is imported (seconds)
+    from titan.runtime.train import RunConfig
+
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, batch_size=batch_size, seq_len=seq_len, data=data,
                     data_dtype=data_dtype, metrics=metrics, tensorboard=tensorboard, device=device,
                     deterministic=deterministic, cuda_graphs=cuda_graphs, fused_adamw=fused_adamw, timeout_s=timeout_s,
                     init_from_hf=init_from_hf, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                     resume=resume, resume_with_changes=resume_with_changes)
-    if "RANK" in os.environ:  # one rank: spawned below, or by torchrun
+    if not launcher:
         from titan.runtime.distributed import exit_rank
         from titan.runtime.train import rank_main
         exit_rank(rank_main(artifact, cfg))
-    sys.exit(launch(artifact, cfg))
+    sys.exit(launch(art, cfg, started=t0))
 
 
-def launch(artifact: str, cfg) -> int:
-    """Check the run once, then spawn its ranks on this host; returns the job's exit code."""
-    t0 = time.time()
+def _announce(artifact: str, device: str):
+    """Open the artifact and say what titan-run does first (and how long it took last time)."""
     from titan.runtime import timings
     from titan.runtime.artifact import open_artifact
-    from titan.runtime.run_state import RunState
 
     art = open_artifact(artifact)
-    key = f"{art.manifest.get('cache_key', art.root.name)}-{cfg.device}"
-    last = timings.last("run-start", key)
+    last = timings.last("run-start", run_start_key(art.manifest, device))
     click.echo(f"titan-run {art.root}: checking its files and starting {art.world_size} rank(s)"
                + ("" if last is None else f" (step 1 came {last:.1f} s after start last time)"))
+    return art
+
+
+def run_start_key(manifest: dict, device: str) -> str:
+    """Names a run's start-up time: the build and the --device asked for."""
+    return f"{manifest.get('cache_key', manifest.get('name'))}-{device}"
+
+
+def launch(art, cfg, *, started: float) -> int:
+    """Check the run once, then spawn its ranks on this host; returns the job's exit code."""
+    from titan.runtime.run_state import RunState
+
     art.verify_all()
     RunState(cfg, art.manifest, art.rank_meta(0)["params"]).close()  # the checks every rank makes, once
     if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
@@ -93,7 +106,7 @@ def launch(artifact: str, cfg) -> int:
     if cfg.device != "cpu":
         _check_gpus(art.world_size, cfg.device)
     from titan.runtime.launch import spawn_local
-    os.environ["TITAN_RUN_STARTED"] = repr(t0)  # rank 0 records the start-up time from here
+    os.environ["TITAN_RUN_STARTED"] = repr(started)  # rank 0 records the start-up time from here
     return spawn_local("titan.cli.run", sys.argv[1:], art.world_size)
 
 

@@ -33,21 +33,23 @@ from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, Command, NonEmptyPa
 @user_errors
 def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
-    from titan.runtime.artifact import open_artifact
+    launcher = "RANK" not in os.environ
+    if launcher:  # the first line, before torch is imported (seconds)
+        from titan.runtime import timings
+        from titan.runtime.artifact import open_artifact
+        art = open_artifact(artifact)
+        key = f"{art.manifest.get('cache_key', art.root.name)}-{steps}-{device}"
+        click.echo(f"titan-verify {art.root}: training {steps} step(s) eagerly and from the artifact on "
+                   f"{art.world_size} rank(s), then comparing every loss and parameter{timings.expectation('verify', key)}")
+        t0 = time.perf_counter()
     from titan.runtime.train import RunConfig
 
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
                     deterministic=deterministic, cuda_graphs=cuda_graphs,
                     fused_adamw=fused_adamw)
-    if "RANK" in os.environ:
+    if not launcher:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))
-    from titan.runtime import timings
-    art = open_artifact(artifact)
-    key = f"{art.manifest.get('cache_key', art.root.name)}-{steps}-{device}"
-    click.echo(f"titan-verify {art.root}: training {steps} step(s) eagerly and from the artifact on {art.world_size} "
-               f"rank(s), then comparing every loss and parameter{timings.expectation('verify', key)}")
-    t0 = time.perf_counter()
     art.verify_all()
     from titan.runtime.run_state import RunState
     RunState(cfg, art.manifest, art.rank_meta(0)["params"]).close()  # the run's checks (--data), once

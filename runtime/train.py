@@ -218,7 +218,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     mesh = layout.build_mesh(device.type)
     m = artifact.manifest
     key = f"{m.get('cache_key', artifact.root.name)}-{device.type}"
-    run_key = f"{m.get('cache_key', artifact.root.name)}-{cfg.device}"  # as titan-run's launcher names it
+    run_key = f"{m.get('cache_key', m.get('name'))}-{cfg.device}"  # as cli/run.py's run_start_key names it
     compiles = any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in m["passes"])
     if compiles:
         _say(env, cfg, None, "fusion: loading this artifact's kernels from the kernel store, compiling the ones it "
