@@ -217,12 +217,21 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
 
 
 def _stop_workers() -> None:
-    # Again while any is left: the pool's thread may have started one meanwhile.
-    for _ in range(3):
-        workers = mp.active_children()
-        if not workers:
-            return
-        interrupt.stop_processes([p.pid for p in workers])
+    """Stop every child but multiprocessing's resource tracker (it outlives this process to
+    unlink the pool's semaphores), until two looks find none: the pool's thread may be starting
+    one right now, and a worker is a child before multiprocessing lists it (it would then find
+    its start data missing and print a traceback)."""
+    quiet = 0
+    for _ in range(40):
+        workers = [pid for pid in interrupt.child_pids() if b"resource_tracker" not in interrupt.command_line(pid)]
+        if workers:
+            interrupt.stop_processes(workers)
+            quiet = 0
+        else:
+            quiet += 1
+            if quiet == 2:
+                return
+            time.sleep(0.05)
 
 
 def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:

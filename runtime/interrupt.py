@@ -111,6 +111,30 @@ def stop_processes(pids: list[int], *, grace_s: float = STOP_GRACE_S) -> None:
             os.waitpid(pid, 0)
 
 
+def child_pids() -> list[int]:
+    """This process's live children, with their command lines (Linux /proc)."""
+    me, children = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            children.append(int(entry.name))
+    return children
+
+
+def command_line(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _reaped(pid: int) -> bool:
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)

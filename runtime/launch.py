@@ -49,7 +49,8 @@ def spawn_local(module: str, args: list[str], world_size: int) -> int:
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     gpus = _rank_gpus(world_size)
     procs: list[subprocess.Popen] = []
-    forget = interrupt.on_interrupt(lambda: interrupt.stop_processes([p.pid for p in procs]))
+    # Every child, not just those in `procs`: a signal can come between a rank's start and its append.
+    forget = interrupt.on_interrupt(lambda: interrupt.stop_processes(interrupt.child_pids()))
     try:
         with interrupt.children_ignore_ctrl_c():
             for rank in range(world_size):
