@@ -6,11 +6,13 @@ Nothing on the cache-hit path imports torch (the tracer is imported only on a mi
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
 import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from titan.builder.checkpointing import AC_POLICIES
 from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes import check_passes, default_passes
+from titan.runtime import interrupt
 from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
 from titan.runtime.hf_record import RECORD
 from titan.runtime.layout import Layout
@@ -31,6 +34,13 @@ from titan.runtime.layout import Layout
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}
 PARTITIONERS = ("min_cut", "default")
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+# Tokens per rank and step: 8B's pretraining batch (16 x 8192) is 2^17; 2^22 is far past what
+# any device holds, and keeps every graph's element counts realistic.
+MAX_TOKENS_PER_RANK = 2**22
+# Manifest fields that shape the graphs: an artifact directory is replaced only by a build
+# that agrees on all of them (or with --replace).
+SHAPING_FIELDS = ("model", "flavor", "layout", "batch_size", "seq_len", "dtype", "ac", "passes")
 
 
 
@@ -69,11 +79,51 @@ class BuildSpec:
 
     @property
     def name(self) -> str:
+        """The default artifact directory's name: model, flavor and layout, then each choice that
+        shapes the graphs and differs from its default (`llama3-debug-tp2-s256-bf16-ac-full`), so
+        that two different builds never share a default directory."""
         flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
-        return f"{self.model}{flavor}-{self.layout.tag()}"
+        return "-".join([f"{self.model}{flavor}-{self.layout.tag()}",
+                         *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
+                                              batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
+                                              ac=self.ac, passes=self.passes)])
 
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def _default_dtype(flavor: str) -> str:
+    # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
+    return "float32" if flavor == "debug" else "bfloat16"
+
+
+def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: int, dtype: str, ac: str,
+                        passes: list[str] | tuple[str, ...]) -> list[str]:
+    """Short tags for each graph-shaping choice that differs from its default, in a fixed order:
+    b4, s256, bf16, ac-full, default-partition, fuse-blocks, passes-<digest of the list>. Names
+    artifacts and tells builds apart in `titan-cache ls`. `passes` as in BuildSpec.passes."""
+    tags = []
+    default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
+    if batch_size != default_b:
+        tags.append(f"b{batch_size}")
+    if seq_len != default_s:
+        tags.append(f"s{seq_len}")
+    if dtype != _default_dtype(flavor):
+        tags.append(DTYPE_TAGS.get(dtype, dtype))
+    if ac != "none":
+        tags.append(f"ac-{ac}")
+    partitioner, *graph_passes = passes
+    if partitioner != "partition:min_cut":
+        tags.append(f"{partitioner.split(':')[-1]}-partition")
+    defaults = default_passes({name: size for name, size in mesh})
+    fuse = next((p for p in graph_passes if p in ("fuse_regions", "fuse_blocks")), None)
+    if fuse is not None:
+        tags.append(fuse.replace("_", "-"))
+        defaults = tuple(p for p in defaults if p != "fuse_exact") + (fuse,)
+    if tuple(graph_passes) != defaults:
+        tags.append("passes-" + hashlib.sha256(",".join(graph_passes).encode()).hexdigest()[:8])
+    return tags
 
 
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int,
@@ -90,16 +140,18 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     family.check_layout(family.flavors[flavor], layout)
     default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
-    batch_size = batch_size or default_b
-    seq_len = seq_len or default_s
+    batch_size = default_b if batch_size is None else batch_size
+    seq_len = default_s if seq_len is None else seq_len
     if batch_size < 1 or seq_len < 2:
         raise ValueError("--batch-size must be >= 1 and --seq-len >= 2")
+    if batch_size * seq_len > MAX_TOKENS_PER_RANK:
+        raise ValueError(f"--batch-size {batch_size} x --seq-len {seq_len} is {batch_size * seq_len:,} tokens per rank, "
+                         f"more than {MAX_TOKENS_PER_RANK:,}; use a smaller batch or more data-parallel ranks")
     if seq_len % tp:
         raise ValueError(f"--seq-len {seq_len} must be divisible by --tp {tp} (sequence parallel shards it)")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {dtype!r}; use bf16 or fp32")
-    # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
-    dtype = DTYPES[dtype] if dtype else ("float32" if flavor == "debug" else "bfloat16")
+    dtype = DTYPES[dtype] if dtype else _default_dtype(flavor)
     if ac not in AC_POLICIES:
         raise ValueError(f"unknown --ac {ac!r}; use one of {', '.join(AC_POLICIES)}")
     sizes = dict(layout.mesh_shape())
@@ -136,12 +188,22 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
     if not ranks:
         return
     ctx = mp.get_context("spawn")
+    # After a Ctrl-C ends this process (os._exit skips the finalizers of the pool's semaphores),
+    # multiprocessing's resource tracker unlinks them, as it should, and warns about each: its
+    # interpreter takes this process's -W options, so that expected cleanup stays silent.
+    if QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(QUIET_TRACKER)
+    # A Ctrl-C stops the workers from here (runtime/interrupt.py): they start with SIGINT blocked.
+    forget = interrupt.on_interrupt(_stop_workers)
+    # The queue starts multiprocessing's resource tracker, whose start unblocks SIGINT in the
+    # calling thread when it is done: so it comes before the block below, not inside it.
     stages = ctx.Queue()
-    with cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
-                                max_tasks_per_child=1, initializer=rank_progress.attach,
-                                initargs=(stages,)) as pool:
+    with interrupt.children_ignore_ctrl_c():  # the pool's threads and every worker they start inherit it
+        pool = cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
+                                      max_tasks_per_child=1, initializer=rank_progress.attach, initargs=(stages,))
         pending = {pool.submit(trace_rank, RankJob(build=spec, rank=r))
                    for r in ranks}
+    with pool:
         while pending:
             finished, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
             while True:
@@ -151,6 +213,25 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
                     break
             for fut in finished:
                 yield fut.result()
+    forget()
+
+
+def _stop_workers() -> None:
+    """Stop every child but multiprocessing's resource tracker (it outlives this process to
+    unlink the pool's semaphores), until two looks find none: the pool's thread may be starting
+    one right now, and a worker is a child before multiprocessing lists it (it would then find
+    its start data missing and print a traceback)."""
+    quiet = 0
+    for _ in range(40):
+        workers = [pid for pid in interrupt.child_pids() if b"resource_tracker" not in interrupt.command_line(pid)]
+        if workers:
+            interrupt.stop_processes(workers)
+            quiet = 0
+        else:
+            quiet += 1
+            if quiet == 2:
+                return
+            time.sleep(0.05)
 
 
 def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:
@@ -237,13 +318,16 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
                 stage(r, "queued" if r in todo else "cache hit")
             for res in _trace(spec, todo, jobs, stage):
                 stage(res.rank, "writing")
-                _store_rank(cache, rank_keys[res.rank], rank_factors(factors, spec.layout.coordinates(res.rank)), res)
+                with interrupt.deferred():  # a rank's record goes in whole or not at all
+                    _store_rank(cache, rank_keys[res.rank], rank_factors(factors, spec.layout.coordinates(res.rank)),
+                                res)
                 traced.append(res.rank)
                 stage(res.rank, "done")
                 progress(res)
             entry = {"key": key, "factors": factors, "ranks": rank_keys,
                      "manifest": _manifest_fields(spec, factors), "created_ts": time.time()}
-            cache.put_entry(key, entry)
+            with interrupt.deferred():
+                cache.put_entry(key, entry)
         else:
             for r in range(spec.layout.world_size):
                 stage(r, "cache hit")
@@ -277,6 +361,24 @@ def export_kernels(cache: Cache, kernels: dict[str, str], out: Path, files: dict
     return out_map
 
 
+def check_replaceable(spec: BuildSpec, out: Path) -> None:
+    """Refuse to replace an artifact of another build (other shapes, dtype, passes, ...):
+    ValueError naming each difference. A rebuild of the same choices replaces it."""
+    try:
+        old = json.loads((out / MANIFEST).read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        old = {}
+    old = old if isinstance(old, dict) else {}
+    new = _manifest_fields(spec, build_factors(spec))
+    diffs = [f"{k.replace('_', ' ')} {old.get(k)!r} there, {new[k]!r} now" for k in SHAPING_FIELDS
+             if old.get(k) != new[k]]
+    if diffs:
+        raise ValueError(f"{out} holds another build ({'; '.join(diffs)}); pass --replace to replace it, "
+                         "or --out DIR to write this one elsewhere")
+
+
 def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
     """Copy an entry's blobs into a self-contained artifact directory (written beside `out`,
     then moved into place), so that it runs on a machine without the cache."""
@@ -288,6 +390,7 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as e:
         raise ArtifactError(f"cannot write the artifact to {out.parent}: {e.strerror or e}; choose another --out") from None
+    forget = interrupt.on_interrupt(lambda: shutil.rmtree(tmp, ignore_errors=True))
     try:
         files: dict[str, str] = {}
         ranks = []
@@ -308,16 +411,18 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
         manifest = dict(entry["manifest"], name=out.name, cache_key=entry["key"], ranks=ranks, files=files,
                         **({"kernels": kernels} if kernels else {}))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "previous")
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+        with interrupt.deferred():  # the old artifact or the new one at `out`, never neither
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                os.replace(out, old / "previous")
+                os.replace(tmp, out)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, out)
         return manifest
     except OSError as e:
         raise ArtifactError(f"cannot write the artifact to {out}: {e.strerror or e}; free space there or choose "
                             "another --out") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        forget()

@@ -10,17 +10,18 @@ from pathlib import Path
 import click
 
 from titan.cli.errors import user_errors
+from titan.cli.options import POSITIVE, Command, NonEmptyPath
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", default="llama3", show_default=True, help="Model family.")
 @click.option("--flavor", default=None, help="Model size: debug, 1B, 8B (default), 70B, 405B.")
-@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel degree (with sequence parallel).")
-@click.option("--dp-shard", default=1, show_default=True, type=int, help="FSDP degree.")
-@click.option("--dp-replicate", default=1, show_default=True, type=int, help="Replicated data-parallel degree.")
-@click.option("--batch-size", default=None, type=int, help="Sequences per data-parallel rank (default: 2 debug, 1 otherwise).")
-@click.option("--seq-len", default=None, type=int, help="Tokens per sequence (default: 128 debug, 8192 otherwise).")
-@click.option("--dtype", default=None, help="Compute dtype: bf16 (default; fp32 for the debug flavor) or fp32. "
+@click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (with sequence parallel).")
+@click.option("--dp-shard", default=1, show_default=True, type=POSITIVE, help="FSDP degree.")
+@click.option("--dp-replicate", default=1, show_default=True, type=POSITIVE, help="Replicated data-parallel degree.")
+@click.option("--batch-size", default=None, type=POSITIVE, help="Sequences per data-parallel rank (default: 2 debug, 1 otherwise).")
+@click.option("--seq-len", default=None, type=click.IntRange(min=2), help="Tokens per sequence (default: 128 debug, 8192 otherwise).")
+@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp32"]), help="Compute dtype: bf16 (default; fp32 for the debug flavor) or fp32. "
               "Parameters and optimizer state stay fp32.")
 @click.option("--passes", "passes", default=None,
               help="Graph passes after partitioning, comma-separated, in order ('' for none; default: "
@@ -33,17 +34,20 @@ from titan.cli.errors import user_errors
                    "bits): 'blocks' (a bare --fuse): all element-wise and reduction work between matmuls, attention "
                    "and collectives; 'regions': only within RMSNorm, RoPE, SwiGLU and the loss.")
 @click.option("--list-passes", is_flag=True, help="Describe the available passes and exit.")
-@click.option("--partitioner", default="min_cut", show_default=True, help="Forward/backward partitioner: min_cut or default.")
-@click.option("--out", default=None, type=click.Path(path_type=Path), help="Output directory (default: artifacts/<name>).")
-@click.option("--jobs", default=None, type=int, help="Ranks traced in parallel (default: CPU count).")
-@click.option("--cache-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--partitioner", default="min_cut", show_default=True, type=click.Choice(["min_cut", "default"]),
+              help="Forward/backward partitioner.")
+@click.option("--out", default=None, type=NonEmptyPath(path_type=Path),
+              help="Output directory (default: artifacts/<name>, the name spelling out every non-default choice).")
+@click.option("--replace", is_flag=True, help="Replace the artifact at --out even if it is of another build.")
+@click.option("--jobs", default=None, type=POSITIVE, help="Ranks traced in parallel (default: CPU count).")
+@click.option("--cache-dir", default=None, type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
               "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
 @user_errors
 def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
-         jobs, cache_dir, explain, kernels):
+         replace, jobs, cache_dir, explain, kernels):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     if list_passes:
         from titan.builder.passes import PASSES, default_passes
@@ -54,19 +58,23 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
             needs = f", needs {' and '.join('--' + d.replace('_', '-') + ' > 1' for d in p.needs)}" if p.needs else ""
             click.echo(f"{name} [{label}{default}{needs}]: {p.line}")
         return
-    from titan.builder.build import build, make_spec, nearest_entry
+    from titan.builder.build import build, check_replaceable, make_spec, nearest_entry
     from titan.builder.cache import Cache
-    from titan.builder.cache_key import build_factors
+    from titan.builder.cache_key import build_factors, digest
+    from titan.runtime import timings
     from titan.cli.build_progress import BuildProgress
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
                      batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac, fuse=fuse,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p))
     out = out or Path("artifacts") / spec.name
+    if not replace:
+        check_replaceable(spec, out)
     jobs = jobs or os.cpu_count() or 1
     world = spec.layout.world_size
-    click.echo(f"building {spec.name}: {model} {spec.flavor}, {world} rank(s) "
-               f"[{spec.layout.tag()}], batch {spec.batch_size} x seq {spec.seq_len}, {spec.dtype}")
+    key = digest(build_factors(spec))
+    click.echo(f"building {out}: {model} {spec.flavor}, {world} rank(s) [{spec.layout.tag()}], batch "
+               f"{spec.batch_size} x seq {spec.seq_len}, {spec.dtype}{timings.expectation('build', key)}")
     t0 = time.perf_counter()
     shown = BuildProgress(world)
 
@@ -85,11 +93,12 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
         nearest = nearest_entry(cache, build_factors(spec))
         if nearest is None:
             click.echo(f"cache: miss ({why}; no cached build of {model} yet)")
-            return
-        diff = nearest[1] or ["nothing (the entry is damaged)"]
-        shown = diff if explain else diff[:3]
-        more = "" if explain or len(diff) <= 3 else f", +{len(diff) - 3} more (--explain)"
-        click.echo(f"cache: miss ({why}; nearest entry {nearest[0][:12]} differs in: {', '.join(shown)}{more})")
+        else:
+            diff = nearest[1] or ["nothing (the entry is damaged)"]
+            shown = diff if explain else diff[:3]
+            more = "" if explain or len(diff) <= 3 else f", +{len(diff) - 3} more (--explain)"
+            click.echo(f"cache: miss ({why}; nearest entry {nearest[0][:12]} differs in: {', '.join(shown)}{more})")
+        click.echo(f"tracing in {min(jobs, world)} worker process(es); each imports torch first (a few seconds)")
 
     try:
         outcome = build(spec, out, cache=cache, jobs=jobs, progress=progress, on_miss=on_miss, on_stage=shown.stage,
@@ -98,6 +107,8 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
         shown.finish()
     if outcome.hit:
         click.echo(f"cache: hit ({outcome.key[:12]})")
+    else:
+        timings.record("build", outcome.key, time.perf_counter() - t0)
     manifest = outcome.manifest
     if kernels:
         from titan.builder.kernels import add_kernels

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from titan.cli.errors import user_errors
+from titan.cli.options import Group, NonEmptyPath
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -47,8 +48,8 @@ def _ago(ts: float) -> str:
     return f"{s:.0f}s ago"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--cache-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--cache-dir", default=None, type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
 @click.pass_context
 def main(ctx, cache_dir):
@@ -79,20 +80,29 @@ def _kernel_line(cache) -> str:
 @click.pass_context
 @user_errors
 def ls_cmd(ctx):
-    """Entries: key, model and layout, ranks, distinct blobs, size, last use."""
+    """Entries: key, model and layout, batch shape, other non-default choices (dtype, AC,
+    passes), torch release, ranks, distinct blobs, size, last use."""
     cache = _cache(ctx)
     infos = sorted(cache.entries(), key=lambda i: -i.last_used)
     kernels = _kernel_line(cache)
     if not infos:
         click.echo(f"{cache.root}: " + (f"no builds; {kernels}" if kernels else "empty"))
         return
-    click.echo(f"{'key':<14}{'model':<16}{'layout':<22}{'batch':>10}{'ranks':>7}{'blobs':>7}{'size':>11}  last used")
+    from titan.builder.build import non_default_choices
+    click.echo(f"{'key':<14}{'model':<14}{'layout':<20}{'batch':>9}  {'choices':<24}{'torch':<8}{'ranks':>6}"
+               f"{'blobs':>6}{'size':>11}  last used")
     for i in infos:
         f = i.entry["factors"]
         mesh = "-".join(f"{n.replace('_', '-')}{s}" for n, s in f["mesh"]) or "single"
-        click.echo(f"{i.key[:12]:<14}{f['model'] + ' ' + f['flavor']:<16}{mesh:<22}"
-                   f"{str(f['batch size']) + 'x' + str(f['seq len']):>10}{len(i.entry['ranks']):>7}"
-                   f"{len(cache.entry_blobs(i.entry)):>7}{_human(i.size):>11}  {_ago(i.last_used)}")
+        # Whatever else shapes the graphs (dtype, AC, passes) and differs from the defaults.
+        choices = non_default_choices(flavor=f["flavor"], mesh=f["mesh"], batch_size=f["batch size"],
+                                      seq_len=f["seq len"], dtype=f["dtype"], ac=f["activation checkpointing"],
+                                      passes=f["passes"])
+        choices = [c for c in choices if c[0] not in "bs" or not c[1:].isdigit()]  # the batch column has those
+        click.echo(f"{i.key[:12]:<14}{f['model'] + ' ' + f['flavor']:<14}{mesh:<20}"
+                   f"{str(f['batch size']) + 'x' + str(f['seq len']):>9}  {' '.join(choices) or 'defaults':<24}"
+                   f"{f['torch version']:<8}{len(i.entry['ranks']):>6}{len(cache.entry_blobs(i.entry)):>6}"
+                   f"{_human(i.size):>11}  {_ago(i.last_used)}")
     click.echo(f"total {_human(cache.size())} in {cache.root}")
     if kernels:
         click.echo(kernels)

@@ -7,16 +7,18 @@ from pathlib import Path
 import click
 
 from titan.cli.errors import user_errors
+from titan.cli.options import Command, NonEmptyPath
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("texts", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("texts", nargs=-1, required=True, type=NonEmptyPath(dir_okay=False, path_type=Path))
+@click.option("-o", "--out", required=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Token file to write (its sidecar goes to OUT.json).")
-@click.option("--tokenizer", "tokenizer_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--tokenizer", "tokenizer_path", required=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="A Hugging Face tokenizer.json or a tiktoken BPE ranks file (e.g. Llama-3's tokenizer.model).")
-@click.option("--tiktoken-spec", default="llama3", show_default=True,
-              help="Pattern and special tokens for a tiktoken ranks file (llama3: Llama-3's).")
+@click.option("--tiktoken-spec", default=None,
+              help="Pattern and special tokens for a tiktoken ranks file (default llama3: Llama-3's); "
+                   "not for a tokenizer.json.")
 @click.option("--eos", default=None,
               help="Separator token appended after each document (default: the tokenizer's end-of-text token "
                    "if it has one; 'none' for no separator).")

@@ -1,4 +1,6 @@
-"""One way for every command to report what the user got wrong: one line, exit status 2."""
+"""One way for every command to report what the user got wrong: one line, exit status 2.
+
+(Ctrl-C is handled before any command code runs: titan/cli/__init__.py.)"""
 
 from __future__ import annotations
 
@@ -19,9 +21,7 @@ click.exceptions.UsageError.show = _one_line_usage_error
 
 
 def user_errors(fn):
-    """Turn ValueError (ArtifactError, bad layouts, bad options) into `error: ...` and exit 2;
-    Ctrl-C into `interrupted` and exit 130 (what was written stays consistent: every file is
-    put in place by rename)."""
+    """Turn ValueError (ArtifactError, bad layouts, bad options) into `error: ...` and exit 2."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -37,7 +37,4 @@ def user_errors(fn):
             click.echo(f"error: cannot use{where}: {e.strerror or e}; check the path and its permissions "
                        "(and free space)", err=True)
             sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
     return wrapper

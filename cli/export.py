@@ -7,11 +7,12 @@ from pathlib import Path
 import click
 
 from titan.cli.errors import user_errors
+from titan.cli.options import Command, NonEmptyPath
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("checkpoint", type=click.Path(file_okay=False))
-@click.option("--hf", "out", required=True, type=click.Path(file_okay=False),
+@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("checkpoint", type=NonEmptyPath(file_okay=False))
+@click.option("--hf", "out", required=True, type=NonEmptyPath(file_okay=False),
               help="New directory for config.json + model.safetensors.")
 @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]),
               help="Element type of the written weights (the checkpoint holds fp32).")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import click
 
 from titan.cli.errors import user_errors
+from titan.cli.options import NON_NEGATIVE, Command
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--rank", type=int, default=0, show_default=True)
+@click.option("--rank", type=NON_NEGATIVE, default=0, show_default=True)
 @click.option("--graph", default="all", show_default=True, type=click.Choice(["fw", "bw", "all"]))
 @user_errors
 def main(artifact, rank, graph):

@@ -6,18 +6,20 @@ import functools
 import json
 import os
 import sys
+import time
 
 import click
 
 from titan.cli.errors import user_errors
+from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, Command, NonEmptyPath
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
-@click.option("--lr", default=8e-4, show_default=True, type=float)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--data", default=None, type=click.Path(dir_okay=False), help="Flat token file (default: synthetic tokens).")
+@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifact", type=NonEmptyPath(file_okay=False))
+@click.option("--steps", default=10, show_default=True, type=POSITIVE)
+@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE)
+@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--data", default=None, type=NonEmptyPath(dir_okay=False), help="Flat token file (default: synthetic tokens).")
 @click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
               help="Token file element type (default: from its titan-data sidecar, else uint16).")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
@@ -26,24 +28,36 @@ from titan.cli.errors import user_errors
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")
 @click.option("--fused-adamw/--no-fused-adamw", default=True, show_default=True,
               help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", default=None, type=NonEmptyPath(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
 @user_errors
 def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
-    from titan.runtime.artifact import open_artifact
+    launcher = "RANK" not in os.environ
+    if launcher:  # the first line, before torch is imported (seconds)
+        from titan.runtime import timings
+        from titan.runtime.artifact import open_artifact
+        art = open_artifact(artifact)
+        key = f"{art.manifest.get('cache_key', art.root.name)}-{steps}-{device}"
+        click.echo(f"titan-verify {art.root}: training {steps} step(s) eagerly and from the artifact on "
+                   f"{art.world_size} rank(s), then comparing every loss and parameter{timings.expectation('verify', key)}")
+        t0 = time.perf_counter()
     from titan.runtime.train import RunConfig
 
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
                     deterministic=deterministic, cuda_graphs=cuda_graphs,
                     fused_adamw=fused_adamw)
-    if "RANK" in os.environ:
+    if not launcher:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))
-    art = open_artifact(artifact)
     art.verify_all()
+    from titan.runtime.run_state import RunState
+    RunState(cfg, art.manifest, art.rank_meta(0)["params"]).close()  # the run's checks (--data), once
     from titan.runtime.launch import spawn_local
-    sys.exit(spawn_local("titan.cli.verify", sys.argv[1:], art.world_size))
+    code = spawn_local("titan.cli.verify", sys.argv[1:], art.world_size)
+    if code in (0, 1):  # finished (equal or not)
+        timings.record("verify", key, time.perf_counter() - t0)
+    sys.exit(code)
 
 
 def _rank(artifact: str, cfg, json_path: str | None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan.runtime.layout import Layout
@@ -50,6 +50,8 @@ def torch_release(version: str) -> str:
 class Artifact:
     root: Path
     manifest: dict
+    _rank_metas: dict = field(default_factory=dict, compare=False, repr=False)
+    """rank -> its metadata, read and hash-checked once (a rank asks for it more than once)."""
 
     @property
     def world_size(self) -> int:
@@ -89,6 +91,11 @@ class Artifact:
         return entry
 
     def rank_meta(self, rank: int) -> dict:
+        if rank not in self._rank_metas:
+            self._rank_metas[rank] = self._read_rank_meta(rank)
+        return self._rank_metas[rank]
+
+    def _read_rank_meta(self, rank: int) -> dict:
         try:
             meta = loads_json(self.read_verified(self.rank_entry(rank)["meta"], max_size=MAX_JSON_BYTES),
                               f"{self.root}: rank {rank} metadata")

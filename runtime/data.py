@@ -108,18 +108,65 @@ def token_file_dtype(path: str | Path, *, dtype: str | None, vocab_size: int) ->
     return recorded
 
 
+def _token_count(path: Path, *, dtype: str | None, vocab_size: int) -> tuple[str, int]:
+    """The dtype and token count of a usable token file; ValueError for a missing, empty or text
+    file, or one whose size does not fit its dtype or sidecar."""
+    dtype = token_file_dtype(path, dtype=dtype, vocab_size=vocab_size)
+    size = path.stat().st_size
+    itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    if size == 0:
+        raise ValueError(f"--data {path} is empty; write a token file with titan-data")
+    if not sidecar_path(path).is_file() and _looks_like_text(path):
+        raise ValueError(f"--data {path} is text, not a token file; tokenize it with "
+                         f"titan-data {path} -o TOKENS --tokenizer tokenizer.json and pass --data TOKENS")
+    if size % itemsize:
+        raise ValueError(f"--data {path}: size is not a multiple of {itemsize} bytes; is --data-dtype {dtype} right?")
+    return dtype, size // itemsize
+
+
+def _windows(path: Path, tokens: int, seq_len: int) -> int:
+    windows = (tokens - 1) // seq_len
+    if windows < 1:
+        raise ValueError(f"--data {path}: {tokens} tokens is fewer than one sequence of {seq_len + 1}; "
+                         "give a longer token file")
+    return windows
+
+
+def check_token_file(path: str | Path, *, dtype: str | None, manifest: dict, steps: int) -> list[str]:
+    """Refuse what is not a usable token file for this artifact; returns notes to print (that
+    the run reads the file more than once)."""
+    path = Path(path)
+    _, tokens = _token_count(path, dtype=dtype, vocab_size=manifest["model_config"]["vocab_size"])
+    seq_len, layout = manifest["seq_len"], manifest["layout"]
+    windows = _windows(path, tokens, seq_len)
+    needed = steps * manifest["batch_size"] * layout["dp_replicate"] * layout["dp_shard"]
+    if needed > windows:
+        return [f"note: --data {path} holds {windows:,} sequences of {seq_len + 1} tokens and {steps} steps read "
+                f"{needed:,}: the run goes over the file {needed / windows:.1f} times (from its start again each time)"]
+    return []
+
+
+def _looks_like_text(path: Path) -> bool:
+    """A token file's bytes are ids: small ids have a zero high byte, and random ones are not
+    UTF-8. Text is UTF-8 without NUL bytes."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3  # only a character cut at the end of the sample
+    return True
+
+
 class TokenFile:
     def __init__(self, path: str | Path, *, dtype: str | None, vocab_size: int, batch_size: int, seq_len: int,
                  dp_rank: int, dp_degree: int):
         path = Path(path)
-        dtype = token_file_dtype(path, dtype=dtype, vocab_size=vocab_size)
-        itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
-        if path.stat().st_size % itemsize:
-            raise ValueError(f"--data {path}: size is not a multiple of {itemsize} bytes; is --data-dtype {dtype} right?")
+        dtype, tokens = _token_count(path, dtype=dtype, vocab_size=vocab_size)
+        self.windows = _windows(path, tokens, seq_len)
         self.tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
-        self.windows = (len(self.tokens) - 1) // seq_len
-        if self.windows < 1:
-            raise ValueError(f"--data {path}: {len(self.tokens)} tokens is fewer than one sequence of {seq_len + 1}")
         self.vocab_size, self.batch_size, self.seq_len = vocab_size, batch_size, seq_len
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
 

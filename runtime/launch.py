@@ -2,7 +2,12 @@
 
 Each rank is `python -m <module> <args>` with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT set, so a spawned rank and a torchrun rank take the same code path. When one rank
-fails, the others are stopped (they would block in a collective) and its exit code returned.
+fails, the others are stopped (they would block in a collective) and the job fails with the
+first failure's cause: a rank killed by a signal is named with it (`error: rank 1 was killed by
+SIGKILL`), and that comes before the peers that then lost it.
+
+The ranks start with SIGINT blocked (runtime/interrupt.py): a Ctrl-C reaches only this launcher,
+which stops them and prints the one `interrupted` line.
 
 The launcher hosts the rendezvous store itself (as torchrun's agent does), on a port the OS
 gives it and that it holds for the whole job: picking a free port and letting rank 0 bind it
@@ -13,24 +18,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
-STOP_GRACE_S = 5.0
+from titan.runtime import interrupt
 
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+PID_KEY = "titan/pid/{rank}"
 
 
 def _rank_gpus(world_size: int) -> list[str] | None:
@@ -48,29 +43,75 @@ def _rank_gpus(world_size: int) -> list[str] | None:
 
 
 def spawn_local(module: str, args: list[str], world_size: int) -> int:
-    """Run `world_size` ranks on this host; returns 0, or the first failing rank's exit code."""
+    """Run `world_size` ranks on this host; returns 0, or the exit code of the failure."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     gpus = _rank_gpus(world_size)
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-                   TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1")
-        if gpus is not None:
-            env.update(CUDA_VISIBLE_DEVICES=gpus[rank], TITAN_VIRTUAL_LOCAL_RANK="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env))
+    procs: list[subprocess.Popen] = []
+    # Every child, not just those in `procs`: a signal can come between a rank's start and its append.
+    forget = interrupt.on_interrupt(lambda: interrupt.stop_processes(interrupt.child_pids()))
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                _stop(procs)
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
+        with interrupt.children_ignore_ctrl_c():
+            for rank in range(world_size):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                           TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1")
+                if gpus is not None:
+                    env.update(CUDA_VISIBLE_DEVICES=gpus[rank], TITAN_VIRTUAL_LOCAL_RANK="1")
+                procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env))
+        return _supervise(procs)
+    finally:
+        interrupt.stop_processes([p.pid for p in procs if p.returncode is None])
+        forget()
+
+
+def _supervise(procs: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            # A rank killed by a signal is the cause; its peers failing in a collective, the effect.
+            rank, code = min(failed, key=lambda f: (f[1] > 0, f[0]))
+            if code < 0:
+                print(f"error: rank {rank} was killed by {_signal_name(-code)}"
+                      f"{' (out of memory? see dmesg)' if -code == signal.SIGKILL else ''}; the job is stopped",
+                      file=sys.stderr, flush=True)
+                return 1
+            return code
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.05)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def register_rank(store, rank: int) -> None:
+    """Record this rank's host and process id, so that a peer can name it if it dies."""
+    store.set(PID_KEY.format(rank=rank), f"{socket.gethostname()} {os.getpid()}")
+
+
+def dead_peers(store, rank: int, world_size: int) -> list[int]:
+    """The ranks on this host whose process is gone (or a zombie); ranks elsewhere are not known."""
+    host, dead = socket.gethostname(), []
+    for peer in range(world_size):
+        key = PID_KEY.format(rank=peer)
+        if peer == rank or not store.check([key]):
+            continue
+        peer_host, pid = store.get(key).decode().split()
+        if peer_host == host and not _alive(int(pid)):
+            dead.append(peer)
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

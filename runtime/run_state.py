@@ -8,12 +8,14 @@ without --checkpoint-dir / --resume imports none of it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from titan.runtime import checkpoint
+from titan.runtime.data import check_token_file
 from titan.runtime.hf_record import RECORD, hf_record
 from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.init import materialize
@@ -23,17 +25,46 @@ if TYPE_CHECKING:
     from titan.runtime.train import RunConfig
 
 
+class RunOptionError(ValueError):
+    """The run's options do not fit the artifact or the checkpoint. Every rank finds the same
+    one, so only rank 0 prints it (titan-run's launcher finds it before any rank starts)."""
+
+
+def _data_name(data: str | None) -> str:
+    return "none (synthetic tokens)" if data is None else str(data)
+
+
 class RunState:
-    """Checks the run's state options against the artifact (every rank, and the launcher before
-    it spawns ranks, so that a mistake is one line), then serves the hooks."""
+    """Checks the run's options against the artifact and the checkpoint: the one validation of
+    a run, made by every rank (spawned by titan-run or by torchrun) and by titan-run before it
+    spawns them, so that a mistake is one line. Then serves the state hooks."""
 
     def __init__(self, cfg: RunConfig, manifest: dict, params: list[dict], *, device: torch.device | None = None):
         self.cfg, self.manifest, self.params, self.device = cfg, manifest, params, device
         self.hf = None
         self.resume_from: Path | None = None
         self.resumed: dict = {}
+        self.notes: list[str] = []
+        try:
+            self._check(cfg, manifest, params)
+        except RunOptionError:
+            raise
+        except ValueError as e:
+            raise RunOptionError(str(e)) from None
+
+    def _check(self, cfg: RunConfig, manifest: dict, params: list[dict]) -> None:
+        for flag, given, built in (("--batch-size", cfg.batch_size, manifest["batch_size"]),
+                                   ("--seq-len", cfg.seq_len, manifest["seq_len"])):
+            if given is not None and given != built:
+                raise ValueError(f"{flag} {given} differs from the artifact's {built} (it shapes the graphs); "
+                                 f"rebuild with titan-build {flag} {given}, or drop {flag}")
+        if cfg.steps == 0 and cfg.checkpoint_dir is None:
+            raise ValueError("--steps 0 trains nothing; pass --steps N, or add --checkpoint-dir DIR to checkpoint "
+                             "the initial weights")
         if cfg.checkpoint_every is not None and cfg.checkpoint_dir is None:
             raise ValueError("--checkpoint-every needs --checkpoint-dir DIR (where to write the checkpoints)")
+        if cfg.data is not None:
+            self.notes += check_token_file(cfg.data, dtype=cfg.data_dtype, manifest=manifest, steps=cfg.steps)
         if cfg.resume:
             if cfg.init_from_hf is not None:
                 raise ValueError("--resume continues from a titan checkpoint, --init-from-hf starts from a Hugging "
@@ -50,16 +81,43 @@ class RunState:
             if cfg.steps <= step:
                 raise ValueError(f"--steps {cfg.steps}: {self.resume_from} is already at step {step}; --steps counts "
                                  f"from the start of training, so pass --steps > {step}")
-            if cfg.data is None and self.resumed.get("seed") != cfg.seed:
-                raise ValueError(f"--seed {cfg.seed}: the checkpoint was trained on synthetic data of --seed "
-                                 f"{self.resumed.get('seed')}; resume with --seed {self.resumed.get('seed')}")
-        elif cfg.checkpoint_dir is not None:
-            checkpoint.check_fresh(cfg.checkpoint_dir)
+            changed = self._changed_settings()
+            if changed and not cfg.resume_with_changes:
+                raise ValueError(f"{self.resume_from} was trained with other settings: {'; '.join(changed)}; "
+                                 "pass its values to continue that run, or --resume-with-changes to go on with these")
+        else:
+            if cfg.checkpoint_dir is not None:
+                checkpoint.check_fresh(cfg.checkpoint_dir)
+            if cfg.metrics is not None and Path(cfg.metrics).is_file() and Path(cfg.metrics).stat().st_size:
+                raise ValueError(f"--metrics {cfg.metrics} already holds an earlier run's steps (titan-run never "
+                                 "truncates one); delete it or choose another file, or --resume that run")
         if cfg.init_from_hf is not None:
             record = hf_record(manifest, f"--init-from-hf {cfg.init_from_hf}")
             self.hf = HFCheckpoint(cfg.init_from_hf, record=record)
             for p in params:
                 self.hf.check_shape(p)
+
+    def _settings(self) -> dict:
+        """The run's own settings that decide its losses: recorded in each checkpoint and
+        compared on --resume. The artifact's choices (layout, batch shape, dtype) may change on a
+        resume: checkpoints reshard exactly, and picking another artifact is deliberate."""
+        cfg = self.cfg
+        return {"--seed": cfg.seed, "--data": None if cfg.data is None else os.path.abspath(cfg.data), "--lr": cfg.lr}
+
+    def _changed_settings(self) -> list[str]:
+        recorded = self.resumed.get("settings")
+        if recorded is None:  # written before settings were recorded: what it does record
+            r = self.resumed
+            recorded = {"--seed": r.get("seed"), "--lr": r.get("lr"),
+                        "--data": None if r.get("data") is None else os.path.abspath(r["data"])}
+        changed = []
+        for name, now in self._settings().items():
+            if name in recorded and recorded[name] != now:
+                then = recorded[name]
+                if name == "--data":
+                    then, now = _data_name(then), _data_name(now)
+                changed.append(f"{name} {now} here, {then} there")
+        return changed
 
     @property
     def start_step(self) -> int:
@@ -93,14 +151,16 @@ class RunState:
                 "layout": m["layout"], "world_size": m["world_size"], "dtype": m.get("dtype"),
                 "batch_size": m["batch_size"], "seq_len": m["seq_len"], "seed": cfg.seed, "data": cfg.data,
                 "lr": cfg.lr, "torch_version": m["torch_version"], "hf_config": hf_config,
-                RECORD: m.get(RECORD)}
+                RECORD: m.get(RECORD), "settings": self._settings()}
 
-    def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW) -> None:
-        """Checkpoint every --checkpoint-every steps and at the last step (collective)."""
+    def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW) -> Path | None:
+        """Checkpoint every --checkpoint-every steps and at the last step (collective); returns
+        the step directory written, if any."""
         cfg = self.cfg
         if cfg.checkpoint_dir is None:
-            return
+            return None
         due = step == cfg.steps or (cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0)
-        if due:
-            checkpoint.save(cfg.checkpoint_dir, step, params=self.params, tensors=tensors, optimizer=optimizer,
-                            description=self._description())
+        if not due:
+            return None
+        return checkpoint.save(cfg.checkpoint_dir, step, params=self.params, tensors=tensors, optimizer=optimizer,
+                               description=self._description())

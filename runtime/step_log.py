@@ -12,13 +12,16 @@ torch._dynamo nor torch._inductor (tests/test_runtime_minimal.py checks it).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
+from titan.runtime import interrupt
 from titan.runtime.progress import StatusLine, bar, duration, is_terminal
 
-TENSORBOARD_HINT = "pip install 'titan-aot[watch]' (or: pip install tensorboard)"
+TENSORBOARD_HINT = "pip install -e '.[watch]' from a clone (or: pip install tensorboard)"
 SCALARS = ("loss", "tokens_per_s", "step_time_s", "peak_mem_gib")
 
 
@@ -32,20 +35,51 @@ def open_tensorboard(log_dir: str):
     return SummaryWriter(log_dir)
 
 
+def keep_steps_through(path: str, step: int) -> None:
+    """Cut a metrics file back to the records of steps 1..`step` (a resumed run rewrites the
+    steps after its checkpoint, so the file ends as an uninterrupted run's would); replaced by
+    rename, so an interrupt leaves the old file or the new one."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    with interrupt.deferred():
+        os.replace(tmp, path)
+
+
 class StepLog:
     """Rank 0's per-step reporter; call it with each step's record."""
 
     def __init__(self, *, total: int, metrics: str | None, tensorboard: str | None, show: bool,
-                 stream: TextIO = sys.stdout, append: bool = False):
+                 stream: TextIO = sys.stdout, resume_after: int | None = None):
         self.total = total
         self.stream = stream
         self.show = show
         self.status = StatusLine(stream) if show and is_terminal(stream) else None
-        # A resumed run continues the metrics file of the run it resumes.
-        self.metrics = open(metrics, "a" if append else "w", buffering=1) if metrics else None
+        if metrics and resume_after is not None:
+            keep_steps_through(metrics, resume_after)
+        self.metrics = open(metrics, "a", buffering=1) if metrics else None
         self.writer = open_tensorboard(tensorboard) if tensorboard else None
         self.first_done: float | None = None
         self.first_step = 0
+
+    def note(self, text: str) -> None:
+        """A line between the step lines (above the progress bar on a terminal)."""
+        if self.status is not None:
+            self.status.print_above(text)
+        elif self.show:
+            print(text, file=self.stream, flush=True)
 
     def __call__(self, rec: dict) -> None:
         if self.status is not None:
@@ -56,8 +90,9 @@ class StepLog:
             print(f"step {rec['step']:>4}/{self.total} | loss {rec['loss']:.6f} | tokens/s {rec['tokens_per_s']:,.0f}"
                   f" | step {rec['step_time_s']:.3f} s", file=self.stream, flush=True)
         if self.metrics is not None:
-            self.metrics.write(json.dumps(rec) + "\n")
-            self.metrics.flush()
+            with interrupt.deferred():  # whole lines only
+                self.metrics.write(json.dumps(rec) + "\n")
+                self.metrics.flush()
         if self.writer is not None:
             for name in SCALARS:
                 if name in rec:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +33,10 @@ class RunConfig:
     """AdamW learning rate."""
     seed: int = 0
     """Seed for parameter init and synthetic data."""
+    batch_size: int | None = None
+    """Sequences per data-parallel rank as the user gave it: must equal the artifact's (None: unchecked)."""
+    seq_len: int | None = None
+    """Tokens per sequence as the user gave it: must equal the artifact's (None: unchecked)."""
     data: str | None = None
     """Flat token file; synthetic tokens when None."""
     data_dtype: str | None = None
@@ -59,6 +65,8 @@ class RunConfig:
     """Also checkpoint every this many steps."""
     resume: bool = False
     """Continue from the latest complete checkpoint in checkpoint_dir."""
+    resume_with_changes: bool = False
+    """On resume, accept a seed, data file or learning rate other than the checkpoint's."""
 
 
 # AdamW hyperparameters as torchtitan sets them; the eager reference uses the same.
@@ -159,53 +167,94 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
     return losses
 
 
-def _step_logger(cfg: RunConfig, is_rank0: bool, total: int):
+def _step_logger(cfg: RunConfig, is_rank0: bool, total: int, start: int):
     if not is_rank0:
         return None
     return StepLog(total=total, metrics=cfg.metrics, tensorboard=cfg.tensorboard, show=not cfg.quiet,
-                   append=cfg.resume)
+                   resume_after=start if cfg.resume else None)
+
+
+def _say(env: RankEnv, cfg: RunConfig, log: StepLog | None, text: str) -> None:
+    """A line from rank 0 (above the progress bar, when one is drawn)."""
+    if env.rank == 0 and not cfg.quiet:
+        if log is not None:
+            log.note(text)
+        else:
+            print(text, flush=True)
+
+
+# Passes whose regions titan-run compiles into kernels on the device (CPU included for --fuse).
+COMPILED_ON_ANY_DEVICE = ("fuse_regions", "fuse_blocks")
 
 
 def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
              on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Train this rank; `on_step(step)` (if given) runs after each step's bookkeeping."""
+    from titan.runtime import timings
+    from titan.runtime.launch import register_rank
+    from titan.runtime.run_state import RunState
+
+    started = float(os.environ.get("TITAN_RUN_STARTED", time.time()))
     artifact = open_artifact(artifact_path)
     if env.world_size != artifact.world_size:
         raise ArtifactError(f"{artifact_path} was built for world size {artifact.world_size}, but this job has "
                             f"{env.world_size} ranks; launch {artifact.world_size} ranks or rebuild for this layout")
+    # Initial state (seed / --init-from-hf / --resume), checkpoints and the one check of the run's
+    # options against the artifact: runtime/run_state.py.
+    run_state = RunState(cfg, artifact.manifest, artifact.rank_meta(env.rank)["params"])
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
+    run_state.device = device
     if device.type == "cuda" and cfg.cuda_graphs:
         from titan.runtime.cudagraph import disable_expandable_segments
         if disable_expandable_segments() and env.rank == 0:
             print("note: expandable_segments turned off for this run (it breaks CUDA graphs that capture "
                   "NCCL collectives); --no-cuda-graphs keeps it", flush=True)
+    for note in run_state.notes:
+        _say(env, cfg, None, note)
     init_process_group(env, device, timeout_s=cfg.timeout_s)
+    if dist.is_initialized():
+        register_rank(dist.distributed_c10d._get_default_store(), env.rank)
     layout = artifact.layout
     mesh = layout.build_mesh(device.type)
-    # Initial state (seed / --init-from-hf / --resume) and checkpoints: runtime/run_state.py.
-    from titan.runtime.run_state import RunState
-    run_state = RunState(cfg, artifact.manifest, artifact.rank_meta(env.rank)["params"], device=device)
+    m = artifact.manifest
+    key = f"{m.get('cache_key', artifact.root.name)}-{device.type}"
+    run_key = f"{m.get('cache_key', m.get('name'))}-{cfg.device}"  # as cli/run.py's run_start_key names it
+    compiles = any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in m["passes"])
+    if compiles:
+        _say(env, cfg, None, "fusion: loading this artifact's kernels from the kernel store, compiling the ones it "
+                             f"lacks{timings.expectation('fusion', key) or ' (the first run on a device compiles all)'}")
+    t_load = time.perf_counter()
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                            load_param=run_state.load_param)
-    if program.fusion is not None and env.rank == 0 and not cfg.quiet:
-        print(program.fusion.line(), flush=True)
+    if compiles and env.rank == 0:
+        timings.record("fusion", key, time.perf_counter() - t_load)
+    if program.fusion is not None:
+        _say(env, cfg, None, program.fusion.line())
     optimizer = make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw)
     start = run_state.restore(program.params, optimizer)
+    log = _step_logger(cfg, env.rank == 0, cfg.steps, start)
+
+    def checkpointed(s: int) -> None:
+        t0 = time.perf_counter()
+        written = run_state.after_step(s, program.params, optimizer)
+        if written is not None:
+            _say(env, cfg, log, f"checkpoint: wrote {written} in {time.perf_counter() - t0:.1f} s")
+
     if start == cfg.steps:  # --steps 0: only the initial state is checkpointed
-        run_state.after_step(start, program.params, optimizer)
+        checkpointed(start)
     data = make_data(artifact.manifest, cfg, program.coords)
-    m = artifact.manifest
     tokens_per_step = m["batch_size"] * m["seq_len"] * layout.dp_degree
 
     def after_step(s: int) -> None:
-        run_state.after_step(s, program.params, optimizer)
+        if s == start + 1 and env.rank == 0:
+            timings.record("run-start", run_key, time.time() - started)
+        checkpointed(s)
         if on_step is not None:
             on_step(s)
 
     with step_function(program, cfg, device) as step:
         return train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
-                          tokens_per_step=tokens_per_step, log=_step_logger(cfg, env.rank == 0, cfg.steps),
-                          start=start, after_step=after_step)
+                          tokens_per_step=tokens_per_step, log=log, start=start, after_step=after_step)
 
 
 @contextlib.contextmanager
@@ -231,15 +280,19 @@ def rank_main(artifact_path: str, cfg: RunConfig,
               work: Callable[[str, RunConfig, RankEnv], int] = _train) -> int:
     """Entry point of one rank process: runs `work` (training by default), which returns the
     exit code, and turns the ways a rank can fail into one line and an exit status."""
+    from titan.runtime.run_state import RunOptionError
+
     env = None
     try:
         env = RankEnv.from_environ()
         code = work(artifact_path, cfg, env)
+    except RunOptionError as e:  # every rank finds the same mistake: one of them says it
+        if env.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     except ValueError as e:  # ArtifactError and bad options: the user's to fix
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:
-        return 130
     except torch.OutOfMemoryError as e:
         first = str(e).strip().splitlines()[0][:200]
         print(f"error: rank {env.rank}: out of GPU memory ({first}); rebuild the artifact with activation "
@@ -250,8 +303,22 @@ def rank_main(artifact_path: str, cfg: RunConfig,
             raise
         # Collectives fail like this when a peer rank died or stopped answering.
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        print(f"error: rank {env.rank}: a collective failed, most likely because another rank died or "
-              f"stopped answering (timeout {cfg.timeout_s:.0f} s); stopping. ({first})", file=sys.stderr, flush=True)
+        print(f"error: rank {env.rank}: a collective failed because {_which_peer(env)}; stopping. ({first})",
+              file=sys.stderr, flush=True)
         return 1
     shutdown()
     return code
+
+
+def _which_peer(env: RankEnv) -> str:
+    """Name the dead peers when they ran on this host (their process ids are in the store)."""
+    from titan.runtime.launch import dead_peers
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=2))
+        dead = dead_peers(store, env.rank, env.world_size)
+    except Exception:  # the store went with the job (its host died): say what is known
+        dead = []
+    if dead:
+        return f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died"
+    return "another rank died or stopped answering"

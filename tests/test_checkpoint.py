@@ -3,10 +3,14 @@ checkpoint moves between layouts exactly, and bad checkpoints are refused losing
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,21 +59,68 @@ def _run(art, *args):
     return r
 
 
-def test_resume_continues_with_the_uninterrupted_losses(debug_artifact, tmp_path):
+def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_metrics_file(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
     whole, metrics, ckpt = (tmp_path / n for n in ("whole.jsonl", "metrics.jsonl", "ckpt"))
-    _run(art, "--steps", 6, "--metrics", whole)
-    _run(art, "--steps", 3, "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--metrics", metrics)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
-    # The resumed run continues the same metrics file.
-    _run(art, "--steps", 6, "--checkpoint-dir", ckpt, "--resume", "--metrics", metrics)
-    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3, 4, 5, 6]
+    # Ctrl-C a long run once it is past its checkpoint at step 2: its metrics go beyond it.
+    p = subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(art), "--steps", "100000", "--checkpoint-dir",
+                          str(ckpt), "--checkpoint-every", "2", "--metrics", str(metrics)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGINT)
+        assert p.wait(timeout=60) == 130
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    interrupted_at = read_metrics(metrics)[-1]["step"]
+    latest = max(int(d.name.split("-")[1]) for d in ckpt.iterdir() if d.name.startswith("step-"))
+    assert latest < interrupted_at, "the test needs steps after the last checkpoint"
+    total = interrupted_at + 2
+    _run(art, "--steps", total, "--checkpoint-dir", ckpt, "--resume", "--metrics", metrics)
+    _run(art, "--steps", total, "--metrics", whole)
+    # The resumed file is the uninterrupted run's: every step once, the same losses.
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
     resumed = torch.tensor(_losses(metrics), dtype=torch.float64)
     uninterrupted = torch.tensor(_losses(whole), dtype=torch.float64)
     assert torch.equal(resumed, uninterrupted), (resumed, uninterrupted)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003", "step-00000006"]
-    state = json.loads((ckpt / "step-00000006" / "titan.json").read_text())
-    assert (state["step"], state["optimizer_steps"], state["layout"]["tp"]) == (6, 6, 2)
+    assert f"step-{total:08d}" in {p.name for p in ckpt.iterdir()}
+    state = json.loads((ckpt / f"step-{total:08d}" / "titan.json").read_text())
+    assert (state["step"], state["optimizer_steps"], state["layout"]["tp"]) == (total, total, 2)
+
+
+def test_a_fresh_run_never_truncates_a_metrics_file(debug_artifact, tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    metrics.write_text('{"step": 1, "loss": 7.0, "tokens_per_s": 1.0, "step_time_s": 1.0}\n')
+    line = _one_error(titan("run", debug_artifact(tp=2), "--steps", 2, "--metrics", metrics))
+    assert f"--metrics {metrics} already holds" in line and "--resume" in line
+    assert metrics.read_text().count("\n") == 1
+
+
+def test_resume_with_other_settings_is_refused_naming_each_or_taken_with_the_override(debug_artifact, tmp_path):
+    art = debug_artifact(tp=2)
+    ckpt, data = tmp_path / "ckpt", tmp_path / "tokens.bin"
+    _random_tokens(data)
+    _run(art, "--steps", 2, "--checkpoint-dir", ckpt, "--data", data, "--seed", 3)
+    cases = [(("--data", data, "--seed", 4), ["--seed 4 here, 3 there"]),
+             (("--data", data, "--seed", 3, "--lr", "1e-3"), ["--lr 0.001 here, 0.0008 there"]),
+             (("--seed", 3), [f"--data none (synthetic tokens) here, {data} there"]),
+             (("--seed", 5), ["--seed 5 here, 3 there", "--data none"])]
+    for args, words in cases:
+        line = _one_error(titan("run", art, "--steps", 3, "--checkpoint-dir", ckpt, "--resume", *args))
+        assert "was trained with other settings" in line and "--resume-with-changes" in line, line
+        for w in words:
+            assert w in line, line
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002"]
+    _run(art, "--steps", 3, "--checkpoint-dir", ckpt, "--resume", "--data", data, "--seed", 4, "--resume-with-changes")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
+
+
+def _random_tokens(path: Path, n: int = 4096) -> None:
+    g = torch.Generator().manual_seed(0)
+    path.write_bytes(torch.randint(0, 256, (n,), generator=g, dtype=torch.int32).to(torch.int16).numpy().tobytes())
 
 
 @pytest.mark.parametrize("dp_shard", [2, 3])
@@ -141,7 +192,7 @@ def test_bad_checkpoints_are_refused_and_nothing_is_lost(debug_artifact, tmp_pat
     line = _one_error(titan("run", art, "--steps", 2, "--checkpoint-dir", ckpt, "--resume"))
     assert "already at step 2" in line and "--steps > 2" in line
     line = _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", ckpt, "--resume", "--seed", 5))
-    assert "resume with --seed 0" in line
+    assert "--seed 5 here, 0 there" in line
     assert _tree_digest(ckpt) == digest, "a refused run must not touch the checkpoints"
 
     other = tmp_path / "other"

@@ -131,7 +131,7 @@ def test_missing_tokenizer_package_names_the_install_command(tmp_path):
                         "--tokenizer", str(tmp_path / "tokenizer.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip() == (f"error: --tokenizer {tmp_path / 'tokenizer.json'} is a tokenizer.json, which needs "
-                                "the tokenizers package: pip install 'titan-aot[data]' (or: pip install tokenizers "
+                                "the tokenizers package: pip install -e '.[data]' from a clone (or: pip install tokenizers "
                                 "tiktoken)")
 
 
@@ -148,3 +148,27 @@ def test_sidecar_must_describe_its_token_file(tmp_path):
         token_file_dtype(path, dtype=None, vocab_size=2048)
     assert str(e.value) == (f"--data {path}: its size does not match the 100 uint16 tokens its sidecar "
                             f"{path}.json records (file replaced or truncated?); rewrite both with titan-data")
+
+
+def test_data_that_is_not_a_usable_token_file_is_one_error_before_any_rank_starts(tmp_path, debug_artifact):
+    art = debug_artifact(tp=2)
+    empty, text, short = tmp_path / "empty.bin", tmp_path / "notes.txt", tmp_path / "short.bin"
+    empty.write_bytes(b"")
+    text.write_text("these are words that a tokenizer should see first\n" * 50)
+    np.arange(100, dtype="<u2").tofile(short)
+    for path, words in ((empty, f"error: --data {empty} is empty; write a token file with titan-data"),
+                        (text, f"error: --data {text} is text, not a token file; tokenize it with titan-data {text}"),
+                        (short, f"error: --data {short}: 100 tokens is fewer than one sequence of 129")):
+        r = titan("run", art, "--steps", 1, "--data", path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(words), r.stderr  # once, not per rank
+
+
+def test_a_token_file_shorter_than_the_run_is_said_before_it_is_read_again(tmp_path, debug_artifact):
+    tokens = tmp_path / "tokens.bin"
+    np.arange(5 * 128 + 1, dtype="<u2").tofile(tokens)  # 5 sequences; 3 steps x batch 2 read 6
+    r = titan("run", debug_artifact(tp=2), "--steps", 3, "--data", tokens)
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stdout.splitlines() if line.startswith("note: --data")]
+    assert notes == [f"note: --data {tokens} holds 5 sequences of 129 tokens and 3 steps read 6: the run goes over "
+                     "the file 1.2 times (from its start again each time)"]

@@ -1,10 +1,9 @@
-"""Faults end cleanly: a dead rank stops the job in bounded time, Ctrl-C exits cleanly, a
+"""Faults end cleanly: a dead rank stops the job in bounded time and is named, a
 full disk or unusable cache fails the build with one line and leaves the cache consistent,
 and the cache survives many concurrent builders with gc running alongside."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import signal
@@ -69,15 +68,16 @@ def test_killed_rank_makes_its_peer_exit_with_a_clear_error(debug_artifact, tmp_
     assert code == 1
     assert waited < 60
     err = logs[0][1].read_text()
-    assert "error: rank 0: a collective failed, most likely because another rank died" in err
+    assert "error: rank 0: a collective failed because rank 1 died" in err
     assert "Traceback" not in err
 
 
 def test_titan_run_fails_when_one_of_its_ranks_is_killed(debug_artifact, tmp_path):
     art = debug_artifact(dp_shard=2)
     out = tmp_path / "out"
+    err = tmp_path / "err"
     launcher = subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(art), "--steps", "100000"],
-                                stdout=open(out, "w"), stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                stdout=open(out, "w"), stderr=open(err, "w"), env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         _wait_for(out, "step    3/", 120)
         ranks = _children(launcher.pid)
@@ -86,53 +86,12 @@ def test_titan_run_fails_when_one_of_its_ranks_is_killed(debug_artifact, tmp_pat
         code = launcher.wait(timeout=60)
     finally:
         launcher.kill()
-    assert code != 0
+    assert code == 1
+    assert "error: rank 1 was killed by SIGKILL" in err.read_text()
+    assert "Traceback" not in err.read_text()
     time.sleep(0.5)
     assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()
                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
-
-
-def _default_sigint() -> None:
-    """Ctrl-C as in a terminal, whatever this test runner inherited: a job started in the
-    background by a non-interactive shell ignores SIGINT, and its children would too."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def test_ctrl_c_during_build_exits_cleanly_and_the_cache_stays_consistent(tmp_path):
-    env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    out, err = tmp_path / "out", tmp_path / "err"
-    p = subprocess.Popen([sys.executable, "-m", "titan.cli.build", *SINGLE, "--tp", "2", "--jobs", "1",
-                          "--out", str(tmp_path / "art")], env=env, stdout=open(out, "w"), stderr=open(err, "w"),
-                         start_new_session=True, preexec_fn=_default_sigint)
-    _wait_for(out, "cache: miss", 60)
-    time.sleep(1.0)
-    os.killpg(p.pid, signal.SIGINT)
-    code = p.wait(timeout=60)
-    assert code == 130, err.read_text()
-    assert "interrupted" in err.read_text() and "Traceback" not in err.read_text()
-    assert not (tmp_path / "art").exists()
-    assert not list((tmp_path / "cache" / "entries").glob("*.json"))
-    assert titan("cache", "verify", env=env).returncode == 0
-    assert titan("build", *SINGLE, "--tp", 2, "--out", tmp_path / "art", env=env).returncode == 0
-
-
-def test_ctrl_c_during_run_stops_every_rank(debug_artifact, tmp_path):
-    out, err = tmp_path / "out", tmp_path / "err"
-    p = subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(debug_artifact(tp=2)), "--steps", "100000"],
-                         stdout=open(out, "w"), stderr=open(err, "w"), start_new_session=True,
-                         preexec_fn=_default_sigint, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        _wait_for(out, "step    2/", 120)
-        ranks = _children(p.pid)
-        os.killpg(p.pid, signal.SIGINT)
-        assert p.wait(timeout=60) == 130
-        assert "Traceback" not in err.read_text()
-        time.sleep(0.5)
-        assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()
-                    and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)  # never leave a 100,000-step run behind a failed test
 
 
 def _limit_file_size():

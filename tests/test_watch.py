@@ -48,7 +48,9 @@ def watched_run(debug_artifact, tmp_path_factory):
 
 def test_run_prints_one_plain_line_per_step_when_not_a_terminal(watched_run):
     r, records, _ = watched_run
-    assert r.stdout.splitlines() == [
+    first, *steps = r.stdout.splitlines()
+    assert first.startswith("titan-run ") and "checking its files and starting 1 rank(s)" in first
+    assert steps == [
         f"step {m['step']:>4}/4 | loss {m['loss']:.6f} | tokens/s {m['tokens_per_s']:,.0f} | step {m['step_time_s']:.3f} s"
         for m in records]
     assert "\r" not in r.stdout
@@ -58,6 +60,8 @@ def test_run_redraws_a_progress_bar_on_a_terminal(debug_artifact, tmp_path):
     code, out = on_terminal("run", debug_artifact(), "--steps", 4, "--metrics", tmp_path / "m.jsonl")
     assert code == 0, out
     records = read_metrics(tmp_path / "m.jsonl")
+    first, out = out.split("\n", 1)  # what it does, at once; then the bar, redrawn in place
+    assert first.startswith("titan-run ") and "checking its files and starting 1 rank(s)" in first
     assert out.startswith("\r") and out.endswith("\x1b[K\r\n") and out.count("\n") == 1
     frames = [f.removesuffix("\x1b[K") for f in out.removesuffix("\r\n").split("\r")[1:]]
     assert len(frames) == 4
@@ -157,5 +161,5 @@ def test_missing_tensorboard_names_the_install_command(debug_artifact, tmp_path)
     r = subprocess.run([sys.executable, "-c", code, str(debug_artifact()), "--tensorboard", str(tmp_path / "tb")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
-    assert r.stderr.strip() == ("error: --tensorboard needs the tensorboard package: pip install 'titan-aot[watch]' "
-                                "(or: pip install tensorboard)")
+    assert r.stderr.strip() == ("error: --tensorboard needs the tensorboard package: pip install -e '.[watch]' "
+                                "from a clone (or: pip install tensorboard)")

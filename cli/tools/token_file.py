@@ -1,6 +1,6 @@
 """Text files -> a flat token file and its sidecar (layout in runtime/data.py), for titan-data.
 
-Tokenizers, both optional dependencies (`pip install 'titan-aot[data]'`):
+Tokenizers, both optional dependencies (`pip install -e '.[data]'` from a clone):
 - a Hugging Face `tokenizers` JSON file (tokenizer.json): documents are encoded as that file
   defines, its post-processor included (Llama-3's adds <|begin_of_text|>);
 - a tiktoken BPE ranks file (lines `<base64 token> <rank>`, as Llama-3's tokenizer.model) with
@@ -38,7 +38,7 @@ from titan.runtime.data import sidecar_path
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 # Documents handed to the tokenizer at once (both libraries encode a batch on several threads).
 DOCUMENTS_PER_BATCH = 256
-INSTALL_HINT = "pip install 'titan-aot[data]' (or: pip install tokenizers tiktoken)"
+INSTALL_HINT = "pip install -e '.[data]' from a clone (or: pip install tokenizers tiktoken)"
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -66,13 +66,17 @@ def _is_tokenizers_json(path: Path) -> bool:
         return f.read(64).lstrip().startswith(b"{")
 
 
-def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str) -> TextTokenizer:
+def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str | None = None) -> TextTokenizer:
     """A tokenizer.json or a tiktoken ranks file (told apart by content); `eos` names the
-    separator token ('none' for no separator, None for the EOS_CANDIDATES rule)."""
+    separator token ('none' for no separator, None for the EOS_CANDIDATES rule);
+    `tiktoken_spec` (ranks files only) the pattern and special tokens, default llama3."""
     if not path.is_file():
         raise ValueError(f"--tokenizer {path}: no such file")
     record = {"path": str(path), "sha256": file_sha256(path)}
     if _is_tokenizers_json(path):
+        if tiktoken_spec is not None:
+            raise ValueError(f"--tiktoken-spec applies to tiktoken ranks files; {path} is a tokenizer.json, which "
+                             "carries its own pattern and special tokens: drop --tiktoken-spec")
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -95,6 +99,7 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str) -> TextTo
         except ImportError:
             raise ValueError(f"--tokenizer {path} is a tiktoken ranks file, which needs the tiktoken package: "
                              f"{INSTALL_HINT}") from None
+        tiktoken_spec = tiktoken_spec or "llama3"
         if tiktoken_spec not in TIKTOKEN_SPECS:
             raise ValueError(f"--tiktoken-spec {tiktoken_spec!r} is unknown; available: {', '.join(TIKTOKEN_SPECS)}")
         ranks = _read_ranks(path)
