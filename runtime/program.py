@@ -46,7 +46,8 @@ def bound_params(params: list, coords: dict[str, int], sizes: dict[str, int], wh
             raise GraphFormatError(f"{where}: malformed parameter entry")
         slices = []
         for cut in p["slices"]:
-            if not isinstance(cut, list) or len(cut) != 3 or cut[2] not in SLICE_DIMS or cut[2] not in sizes:
+            if (not isinstance(cut, list) or len(cut) != 3 or not isinstance(cut[2], str) or cut[2] not in SLICE_DIMS
+                    or cut[2] not in sizes):
                 raise GraphFormatError(f"{where}: parameter {str(p.get('fqn'))[:80]} slice {cut!r} is not cut by "
                                        "a sharded mesh dimension of this layout")
             if cut[1] != sizes[cut[2]]:

@@ -205,7 +205,8 @@ def _mutate_json(value, data, depth=0):
 def test_manifest_and_metadata_mutations(single, tmp_path_factory, data):
     root = tmp_path_factory.mktemp("fuzz") / "art"
     shutil.copytree(single, root)
-    target = data.draw(st.sampled_from(["manifest.json", "ranks/rank0.json"]))
+    program_meta = json.loads((root / "manifest.json").read_text())["programs"][0]["meta"]
+    target = data.draw(st.sampled_from(["manifest.json", program_meta]))
     path = root / target
     doc = json.loads(path.read_text())
     path.write_text(json.dumps(_mutate_json(copy.deepcopy(doc), data)))
