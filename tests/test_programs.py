@@ -75,7 +75,7 @@ def test_bound_program_equals_an_independent_trace_of_an_untraced_rank(debug_art
     bindings = 0
     for kind, blob in (("forward", traced.forward), ("backward", traced.backward)):
         program = read_doc(art.read_verified(art.rank_entry(2)[kind]))
-        bindings += json.dumps(program).count(BIND)
+        bindings += json.dumps(program["nodes"]).count(BIND)
         assert _unnamed(_bound(program, coords)) == _unnamed(read_doc(blob)), kind
     assert bindings == 5  # embedding mask bounds and shift (3), two backward split indices
     program_meta = json.loads(art.read_verified(art.rank_entry(2)["meta"]))
