@@ -118,7 +118,9 @@ class _Unifier:
         return {BIND: {"base": base, "coef": coef}}
 
     def graph(self, blobs: list[bytes], kind: str) -> bytes:
+        """The probes' graphs as one; the traced bytes themselves when nothing binds."""
         docs = [read_doc(b) for b in blobs]
+        before = self.bindings
         first = docs[0]
         if any(len(d["nodes"]) != len(first["nodes"]) or d.keys() != first.keys() for d in docs):
             raise NotOneProgram(f"the {kind} graphs of the probe ranks differ in structure")
@@ -130,6 +132,8 @@ class _Unifier:
             # Node names are labels (FX numbers them as it creates them); rank 0's are kept.
             plain = [{k: v for k, v in n.items() if k != "name"} for n in others]
             nodes.append(dict(self.merge(plain, f"{kind} node {i}"), name=node["name"]))
+        if self.bindings == before:
+            return blobs[0]
         return msgpack.packb(dict(first, nodes=nodes), use_bin_type=True)
 
 

@@ -24,7 +24,8 @@ CATEGORIES = ("manifest", "rank metadata", "static inputs", "bucket plan", "op t
               "constants", "bindings", "shapes", "collectives", "wiring")
 _C10D = "_c10d_functional."
 # Manifest fields that say nothing about what was built.
-_MANIFEST_IGNORED = {"files", "ranks", "created", "name", "cache_key"}
+# (Programs are compared through the ranks' graphs and metadata, not by their file names.)
+_MANIFEST_IGNORED = {"files", "programs", "rank_programs", "created", "name", "cache_key"}
 _META_IGNORED = {"forward_graph", "backward_graph"}
 
 
