@@ -21,24 +21,24 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.builder import trace
-from titan.builder.layout import Layout
-from titan.builder.models.llama3 import Llama3
-from titan.builder.models.llama3_config import FLAVORS
-from titan.builder.parallelize import build_mesh, parallelize
-from titan.builder.passes import PASSES, PassContext, default_passes
+from titan.builder.build import make_spec
+from titan.builder.parallelize import parallelize
+from titan.builder.passes import PASSES, PassContext
+from titan.runtime.layout import mesh_dims_by_group
 
 
 def pass_seconds(n_layers: int) -> tuple[int, dict[str, float]]:
     """(nodes in forward + backward, CPU seconds per pass)."""
-    cfg = dataclasses.replace(FLAVORS["debug"], n_layers=n_layers)
-    layout = Layout(dp_shard=2, tp=2)
+    spec = make_spec(model="llama3", flavor="debug", tp=2, dp_shard=2, dp_replicate=1, batch_size=None, seq_len=None)
+    family, layout = spec.model_spec, spec.layout
+    cfg = dataclasses.replace(spec.cfg, n_layers=n_layers)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
     try:
-        mesh = build_mesh(layout, "cpu")
+        mesh = layout.build_mesh("cpu")
         with torch.device("meta"):
-            model = Llama3(cfg)
+            model = family.build(cfg)
         model.loss_scale = 1.0
-        parallelize(model, layout, mesh, layout.coordinates(0))
+        parallelize(model, layout, mesh, layout.coordinates(0), tp_plan=family.tp_plan)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             tokens = torch.empty(2, 128, dtype=torch.long)
@@ -47,13 +47,13 @@ def pass_seconds(n_layers: int) -> tuple[int, dict[str, float]]:
             gm = aot_export_joint_with_descriptors(stack, model, (tokens, tokens.clone())).graph_module
             inputs = [trace._desc_input(n.meta["desc"]) for n in gm.graph.nodes if n.op == "placeholder"]
             fw, bw = trace.PARTITION_FNS["min_cut"](trace.copy_graph_module(gm), None, num_fwd_outputs=1)
-            groups = trace._group_names(mesh)
+            groups = mesh_dims_by_group(mesh)
             names = [i.get("fqn") for i in inputs if i["kind"] != "tangent"]
-            fw_ctx = PassContext(graph="forward", mesh_dims=groups, input_names=names, output_names=[])
-            bw_ctx = PassContext(graph="backward", mesh_dims=groups, input_names=[], output_names=names)
+            fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=names, output_names=[])
+            bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[], output_names=names)
             nodes = len(fw.graph.nodes) + len(bw.graph.nodes)
             seconds = {}
-            for name in default_passes(dict(layout.mesh_shape())):
+            for name in spec.graph_passes:
                 t = time.process_time()
                 fw, bw = PASSES[name].fn(fw, ctx=fw_ctx), PASSES[name].fn(bw, ctx=bw_ctx)
                 seconds[name] = time.process_time() - t
