@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from titan.builder.layout import Layout
+from titan.runtime.layout import Layout
 from titan.runtime.graph_doc import read_doc
 from titan.runtime.program import BIND, SLICE_DIMS
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import titan
-from titan.builder.layout import Layout
+from titan.runtime.layout import Layout
 from titan.builder.program import NotOneProgram, Trace, one_program, probe_ranks
 from titan.runtime.artifact import open_artifact
 from titan.runtime.graph_doc import FORMAT, VERSION, GraphFormatError, read_doc
