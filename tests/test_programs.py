@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import torch
 
-from conftest import titan
+from conftest import assert_every_rank_equals_eager, titan
 from titan.runtime.layout import Layout
 from titan.builder.program import NotOneProgram, Trace, one_program, probe_ranks
 from titan.runtime.artifact import open_artifact
@@ -85,14 +85,7 @@ def test_bound_program_equals_an_independent_trace_of_an_untraced_rank(debug_art
 
 @pytest.mark.parametrize("layout", [dict(tp=4), dict(tp=2, dp_shard=2)], ids=["tp4", "tp2-dp_shard2"])
 def test_every_rank_trains_bitwise_equal_to_eager(layout, debug_artifact, tmp_path):
-    art = debug_artifact(**layout)
-    out = tmp_path / "verify.json"
-    r = titan("verify", art, "--steps", 3, "--json", out)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "bitwise equal: yes" in r.stdout
-    assert "parameters after step 3: all bitwise equal (21 tensors per rank, 4 ranks)" in r.stdout
-    result = json.loads(out.read_text())
-    assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"]
+    assert_every_rank_equals_eager(debug_artifact(**layout), tmp_path, steps=3, ranks=4)
 
 
 def _doc(values: list) -> bytes:
