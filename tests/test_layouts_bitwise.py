@@ -4,6 +4,7 @@ same parallelism, seed and data, at every step."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -24,13 +25,7 @@ def _losses(hexes: list[str]) -> torch.Tensor:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_artifact_losses_equal_eager_at_every_step(layout, debug_artifact, tmp_path):
     art = debug_artifact(**layout)
-    out = tmp_path / "verify.json"
-    r = titan("verify", art, "--steps", STEPS, "--json", out)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "bitwise equal: yes" in r.stdout
-    assert f"parameters after step {STEPS}: all bitwise equal" in r.stdout
-    result = json.loads(out.read_text())
-    assert result["parameters_differing"] == 0
+    result = assert_every_rank_equals_eager(art, tmp_path, steps=STEPS, ranks=math.prod(layout.values()))
     eager, artifact = _losses(result["eager"]), _losses(result["artifact"])
     assert len(eager) == STEPS
     for step in range(STEPS):
