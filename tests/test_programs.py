@@ -17,7 +17,7 @@ from titan.runtime.layout import Layout
 from titan.builder.program import NotOneProgram, Trace, one_program, probe_ranks
 from titan.runtime.artifact import open_artifact
 from titan.runtime.graph_doc import FORMAT, VERSION, GraphFormatError, read_doc
-from titan.runtime.graph_format import load_graph
+from titan.runtime.graph_format import load_graph, region_kinds
 from titan.runtime.program import BIND, bind_value
 
 
@@ -133,21 +133,22 @@ def _rebind(doc: dict, change) -> bytes:
 
 def test_runtime_refuses_forged_or_unbound_bindings(debug_artifact):
     cpu = torch.device("cpu")
+    regions = region_kinds(open_artifact(debug_artifact(tp=2)).manifest["passes"])
     doc, blob = _program_blob(debug_artifact, "forward")
-    load_graph(blob, device=cpu, groups={"tp": "g"}, coords={"tp": 1})
+    load_graph(blob, device=cpu, groups={"tp": "g"}, regions=regions, coords={"tp": 1})
     with pytest.raises(GraphFormatError, match="binds rank coordinates; load it for a rank"):
-        load_graph(blob, device=cpu, groups={"tp": "g"})
+        load_graph(blob, device=cpu, groups={"tp": "g"}, regions=regions)
     forged = _rebind(doc, lambda b: {"base": b["base"], "coef": {"dp_shard": 1}})
     with pytest.raises(GraphFormatError, match="binding on 'dp_shard', which is not a mesh dimension here"):
-        load_graph(forged, device=cpu, groups={"tp": "g"}, coords={"tp": 1})
+        load_graph(forged, device=cpu, groups={"tp": "g"}, regions=regions, coords={"tp": 1})
     huge = _rebind(read_doc(blob), lambda b: {"base": 1 << 50, "coef": {}})
     with pytest.raises(GraphFormatError, match="not an integer within bounds"):
-        load_graph(huge, device=cpu, groups={"tp": "g"}, coords={"tp": 1})
+        load_graph(huge, device=cpu, groups={"tp": "g"}, regions=regions, coords={"tp": 1})
     # The backward's bindings pick this rank's slice of a split: an index past it is refused.
     bw_doc, _ = _program_blob(debug_artifact, "backward")
     past = _rebind(bw_doc, lambda b: {"base": 2, "coef": {}})
     with pytest.raises(GraphFormatError, match="getitem index 2 is outside the 2 results"):
-        load_graph(past, device=cpu, groups={"tp": "g"}, coords={"tp": 0})
+        load_graph(past, device=cpu, groups={"tp": "g"}, regions=regions, coords={"tp": 0})
 
 
 def test_run_refuses_a_rank_without_a_program(debug_artifact, tmp_path):
