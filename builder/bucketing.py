@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from titan.builder.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, Collective, collectives
-from titan.builder.fx_graph import emit, hoist_ancestors, module_path, positions, stable_toposort
+from titan.builder.fx_graph import emit, hoist_ancestors, module_path, stable_toposort
 from titan.builder.passes import PassContext
 
 aten = torch.ops.aten
@@ -32,7 +32,7 @@ def _fsdp(ctx: PassContext, target, graph: fx.Graph) -> list[Collective]:
     return [c for c in collectives(graph) if c.start.target is target and ctx.mesh_dims.get(c.group) == "dp_shard"]
 
 
-def _input_param(node: fx.Node, ctx: PassContext) -> str | None:
+def _input_param(node: fx.Node, ctx: PassContext, placeholder_index: dict[fx.Node, int]) -> str | None:
     """The parameter whose (cast, viewed) shard feeds `node`, if it comes from one input."""
     seen = node
     while seen.op != "placeholder":
@@ -40,14 +40,13 @@ def _input_param(node: fx.Node, ctx: PassContext) -> str | None:
         if len(inputs) != 1:
             return None
         seen = inputs[0]
-    index = [n for n in seen.graph.nodes if n.op == "placeholder"].index(seen)
+    index = placeholder_index[seen]
     return ctx.input_names[index] if index < len(ctx.input_names) else None
 
 
-def _output_param(node: fx.Node, ctx: PassContext) -> str | None:
-    output = next(n for n in reversed(node.graph.nodes) if n.op == "output")
-    outs = list(output.args[0])
-    return ctx.output_names[outs.index(node)] if node in outs and outs.index(node) < len(ctx.output_names) else None
+def _output_param(node: fx.Node, ctx: PassContext, output_index: dict[fx.Node, int]) -> str | None:
+    index = output_index.get(node)
+    return ctx.output_names[index] if index is not None and index < len(ctx.output_names) else None
 
 
 def _buckets(members: list[Collective], ctx: PassContext) -> list[list[Collective]]:
@@ -92,23 +91,25 @@ def _finish(gm: fx.GraphModule) -> fx.GraphModule:
 
 def bucket_all_gather_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
+    placeholder_index = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
     for bucket in _buckets(_fsdp(ctx, ALL_GATHER, graph), ctx):
         first = bucket[0].start
         world, group = first.args[1], first.args[2]
         shards = [c.start.args[0] for c in bucket]
         sizes = [s.meta["val"].numel() for s in shards]
-        names = [_input_param(c.start, ctx) for c in bucket]
+        names = [_input_param(c.start, ctx, placeholder_index) for c in bucket]
         _record(ctx, "all_gather", bucket, names, sum(sizes), world, shards[0].meta["val"].dtype)
         if len(bucket) == 1:
             continue
-        for c in bucket:
-            hoist_ancestors(c.start, first)
+        hoist_ancestors([c.start for c in bucket[1:]], first)
         with graph.inserting_before(first):
             flat = [_flat_contiguous(graph, s, [-1]) for s in shards]
             cat = emit(graph, aten.cat.default, (flat,), like=first)
             gathered = emit(graph, ALL_GATHER, (cat, world, group), like=first)
-        pos = positions(graph)
-        first_wait = min((c.wait for c in bucket), key=pos.__getitem__)
+        waits = {c.wait for c in bucket}
+        first_wait = first.next
+        while first_wait not in waits:
+            first_wait = first_wait.next
         with graph.inserting_before(first_wait):
             wait = emit(graph, WAIT, (gathered,), like=first)
             rows = emit(graph, aten.view.default, (wait, [world, sum(sizes)]), like=first)
@@ -126,12 +127,16 @@ def bucket_all_gather_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphM
 
 def bucket_reduce_scatter_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    output_index: dict[fx.Node, int] = {}
+    for i, n in enumerate(output.args[0]):
+        output_index.setdefault(n, i)
     for bucket in _buckets(_fsdp(ctx, REDUCE_SCATTER, graph), ctx):
         last = bucket[-1].start
         op, world, group = last.args[1], last.args[2], last.args[3]
         grads = [c.start.args[0] for c in bucket]
         sizes = [g.meta["val"].numel() // world for g in grads]
-        names = [_output_param(c.wait, ctx) for c in bucket]
+        names = [_output_param(c.wait, ctx, output_index) for c in bucket]
         _record(ctx, "reduce_scatter", bucket, names, sum(sizes), world, grads[0].meta["val"].dtype)
         if len(bucket) == 1:
             continue

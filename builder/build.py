@@ -1,5 +1,6 @@
-"""titan-build's pipeline: validate -> cache lookup -> trace missing ranks (in parallel
-processes) -> store in the cache -> export the artifact.
+"""titan-build's pipeline: validate -> cache lookup -> trace the probe ranks (in parallel
+processes) -> one program with rank bindings (builder/program.py) -> store in the cache ->
+export the artifact.
 
 Nothing on the cache-hit path imports torch (the tracer is imported only on a miss)."""
 
@@ -178,6 +179,8 @@ class BuildOutcome:
     """Why it missed ('' on a hit)."""
     traced: list[int]
     """Ranks traced by this call."""
+    note: str = ""
+    """Why the ranks are not one program (empty when they are, or on a hit)."""
 
 
 def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int, str], None]):
@@ -234,12 +237,13 @@ def _stop_workers() -> None:
             time.sleep(0.05)
 
 
+_GRAPH_KEYS = ("forward_graph", "backward_graph")
+
+
 def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:
+    """Keep a traced rank in the cache, so that a killed build resumes without tracing it again."""
     fw, bw = cache.put_blob(res.forward), cache.put_blob(res.backward)
-    # The rank's metadata names its graphs, so a manifest pointing a rank at another rank's
-    # graphs is refused at load.
-    meta = dict(res.meta, forward_graph=fw, backward_graph=bw)
-    meta_sha = cache.put_blob(json.dumps(meta, indent=1).encode())
+    meta_sha = cache.put_blob(json.dumps(dict(res.meta, forward_graph=fw, backward_graph=bw), indent=1).encode())
     cache.put_rank(rank_key, {"factors": factors, "rank": res.rank, "forward": fw, "backward": bw,
                               "meta": meta_sha, "timings": res.timings})
 
@@ -249,6 +253,74 @@ def _hf_record(spec: BuildSpec) -> dict | None:
     if family.hf_checkpoint is None:
         return None
     return family.hf_checkpoint(spec.cfg, list(family.init_specs(spec.cfg))).to_json()
+
+
+def _cached_trace(cache: Cache, record: dict):
+    from titan.builder.program import Trace
+
+    meta = json.loads(cache.read_blob(record["meta"]))
+    return Trace(rank=record["rank"], forward=cache.read_blob(record["forward"]),
+                 backward=cache.read_blob(record["backward"]),
+                 meta={k: v for k, v in meta.items() if k not in _GRAPH_KEYS})
+
+
+def _store_program(cache: Cache, program) -> dict:
+    """A program's blobs; its metadata names its graphs, so a manifest that pairs them
+    otherwise is refused at load."""
+    fw, bw = cache.put_blob(program.forward), cache.put_blob(program.backward)
+    meta = dict(program.meta, forward_graph=fw, backward_graph=bw)
+    return {"forward": fw, "backward": bw, "meta": cache.put_blob(json.dumps(meta, indent=1).encode()),
+            "bindings": program.bindings}
+
+
+class _Tracer:
+    """Traces ranks for one build, reusing ranks a killed build of the same key finished."""
+
+    def __init__(self, spec: BuildSpec, cache: Cache, factors: dict, jobs: int, stage, progress):
+        self.spec, self.cache, self.factors, self.jobs = spec, cache, factors, jobs
+        self.stage, self.progress = stage, progress
+        self.traces: dict = {}
+        self.keys: dict[int, str] = {}
+        self.traced: list[int] = []
+
+    def trace(self, ranks: list[int]) -> None:
+        from titan.builder.program import Trace
+
+        todo = []
+        for r in ranks:
+            rank_factors_r = rank_factors(self.factors, self.spec.layout.coordinates(r))
+            self.keys[r] = digest(rank_factors_r)
+            record = self.cache.get_rank(self.keys[r])
+            if record is None:
+                todo.append(r)
+                self.stage(r, "queued")
+            else:
+                self.traces[r] = _cached_trace(self.cache, record)
+                self.stage(r, "cache hit")
+        for res in _trace(self.spec, todo, self.jobs, self.stage):
+            self.stage(res.rank, "writing")
+            with interrupt.deferred():  # a rank's record goes in whole or not at all
+                _store_rank(self.cache, self.keys[res.rank],
+                            rank_factors(self.factors, self.spec.layout.coordinates(res.rank)), res)
+            self.traces[res.rank] = Trace(rank=res.rank, forward=res.forward, backward=res.backward, meta=res.meta)
+            self.traced.append(res.rank)
+            self.stage(res.rank, "done")
+            self.progress(res)
+
+
+def _programs(tracer: _Tracer, layout: Layout) -> tuple[list, list[int], str]:
+    """(programs, program index per rank, why the ranks are not one program or '')."""
+    from titan.builder.program import NotOneProgram, one_program, probe_ranks, program_classes
+
+    probes = probe_ranks(layout)
+    tracer.trace(probes)
+    try:
+        program = one_program(layout, [tracer.traces[r] for r in probes])
+        return [program], [0] * layout.world_size, ""
+    except NotOneProgram as e:
+        tracer.trace([r for r in range(layout.world_size) if r not in tracer.traces])
+        programs, assignment = program_classes(layout, list(tracer.traces.values()))
+        return programs, assignment, f"{e}: traced every rank"
 
 
 def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
@@ -291,9 +363,10 @@ def nearest_entry(cache: Cache, factors: dict) -> tuple[str, list[str]] | None:
 def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambda res: None,
           on_wait=None, on_miss=lambda reason: None,
           on_stage: Callable[[int, str], None] = lambda rank, stage: None) -> BuildOutcome:
-    """Build through the cache: a hit traces nothing; a miss traces only the ranks the cache
-    lacks (a killed build's finished ranks are reused). One build per key at a time.
-    `on_stage(rank, stage)` follows each rank through rank_progress.STAGES, in order."""
+    """Build through the cache: a hit traces nothing; a miss traces the probe ranks the cache
+    lacks (a killed build's finished ranks are reused) and makes one program of them (or, when
+    ranks truly differ, traces every rank: one program per class). One build per key at a
+    time. `on_stage(rank, stage)` follows each traced rank through rank_progress.STAGES."""
     reached: dict[int, int] = {}
 
     def stage(rank: int, name: str) -> None:
@@ -311,31 +384,23 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
         traced: list[int] = []
         if entry is None:
             on_miss(reason)
-            ranks = range(spec.layout.world_size)
-            rank_keys = [digest(rank_factors(factors, spec.layout.coordinates(r))) for r in ranks]
-            todo = [r for r in ranks if cache.get_rank(rank_keys[r]) is None]
-            for r in ranks:
-                stage(r, "queued" if r in todo else "cache hit")
-            for res in _trace(spec, todo, jobs, stage):
-                stage(res.rank, "writing")
-                with interrupt.deferred():  # a rank's record goes in whole or not at all
-                    _store_rank(cache, rank_keys[res.rank], rank_factors(factors, spec.layout.coordinates(res.rank)),
-                                res)
-                traced.append(res.rank)
-                stage(res.rank, "done")
-                progress(res)
-            entry = {"key": key, "factors": factors, "ranks": rank_keys,
+            tracer = _Tracer(spec, cache, factors, jobs, stage, progress)
+            programs, assignment, note = _programs(tracer, spec.layout)
+            entry = {"key": key, "factors": factors,
+                     # The traced ranks' records: a rebuild after a lost entry reuses them.
+                     "ranks": [tracer.keys[r] for r in sorted(tracer.traces)],
+                     "programs": [_store_program(cache, p) for p in programs], "rank_programs": assignment,
+                     "traced_ranks": sorted(tracer.traces), "note": note,
                      "manifest": _manifest_fields(spec, factors), "created_ts": time.time()}
             with interrupt.deferred():
                 cache.put_entry(key, entry)
-        else:
-            for r in range(spec.layout.world_size):
-                stage(r, "cache hit")
+            traced = tracer.traced
         cache.touch(key)
         manifest = export_artifact(cache, entry, out)
     finally:
         lock.release()
-    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason, traced=sorted(traced))
+    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason, traced=sorted(traced),
+                        note=entry.get("note", "") if reason else "")
 
 
 def export_kernels(cache: Cache, kernels: dict[str, str], out: Path, files: dict[str, str]) -> dict[str, str]:
@@ -393,23 +458,22 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
     forget = interrupt.on_interrupt(lambda: shutil.rmtree(tmp, ignore_errors=True))
     try:
         files: dict[str, str] = {}
-        ranks = []
-        for rank, rank_key in enumerate(entry["ranks"]):
-            record = cache.rank_record(rank_key)
-            if record is None:
-                raise ArtifactError(f"the cache's record of rank {rank} changed during the build; build again")
-            fw, bw = f"graphs/{record['forward']}.tgraph", f"graphs/{record['backward']}.tgraph"
-            meta = f"ranks/rank{rank}.json"
-            for rel, sha in ((fw, record["forward"]), (bw, record["backward"]), (meta, record["meta"])):
-                if rel not in files:
-                    path = tmp / rel
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_bytes(cache.read_blob(sha))
-                    files[rel] = sha
-            ranks.append({"rank": rank, "meta": meta, "forward": fw, "backward": bw})
+
+        def put(rel: str, sha: str) -> str:
+            if rel not in files:
+                path = tmp / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(cache.read_blob(sha))
+                files[rel] = sha
+            return rel
+
+        programs = [{"meta": put(f"programs/{p['meta']}.json", p["meta"]),
+                     "forward": put(f"graphs/{p['forward']}.tgraph", p["forward"]),
+                     "backward": put(f"graphs/{p['backward']}.tgraph", p["backward"])}
+                    for p in entry["programs"]]
         kernels = export_kernels(cache, entry.get("kernels", {}), tmp, files)
-        manifest = dict(entry["manifest"], name=out.name, cache_key=entry["key"], ranks=ranks, files=files,
-                        **({"kernels": kernels} if kernels else {}))
+        manifest = dict(entry["manifest"], name=out.name, cache_key=entry["key"], programs=programs,
+                        rank_programs=entry["rank_programs"], files=files, **({"kernels": kernels} if kernels else {}))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         with interrupt.deferred():  # the old artifact or the new one at `out`, never neither
             if out.exists():

@@ -1,9 +1,10 @@
 """The content-addressed build cache shared by all jobs on a machine (or a shared filesystem),
 a ContentStore (runtime/content_store.py):
 
-    <root>/blobs/<aa>/<sha256>      graph blobs and rank metadata, named by content
+    <root>/blobs/<aa>/<sha256>      graph blobs and program / rank metadata, named by content
     <root>/ranks/<rank key>.json    one traced rank: its factors and blob hashes (authenticated)
-    <root>/entries/<key>.json       one build: factors, rank keys, manifest fields, kernels (authenticated)
+    <root>/entries/<key>.json       one build: factors, its programs' blobs, the program of each
+                                    rank, the traced ranks' keys, manifest fields, kernels (authenticated)
     <root>/used/<key>               touched on every use (its mtime is the last use)
     <root>/locks/<key>.lock         held while a build of that key runs
     <root>/tmp/                     files being written
@@ -13,7 +14,8 @@ Every file is written to tmp/ and renamed into place, and an entry is written on
 everything it names is in place, so a builder killed at any moment leaves at most unreferenced
 blobs and temp files (gc removes them), never an entry that points at something missing.
 Records are served only when authenticated with the user's key, and readers re-hash every blob
-they use, so a hit serves exactly what this user's titan-build recorded.
+they use, once per process (a verified blob is kept in memory: a cache hit hashes each distinct
+blob once), so a hit serves exactly what this user's titan-build recorded.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Cache:
     def __init__(self, root: Path | None = None):
         self.root = Path(root).expanduser() if root else cache_root()
         self.store = ContentStore(self.root, record_kinds=RECORD_KINDS, extra_dirs=(KERNELS_DIR,))
+        self._verified: dict[str, bytes] = {}
 
     # --- blobs -----------------------------------------------------------------------------
     def put_blob(self, data: bytes) -> str:
@@ -58,7 +61,9 @@ class Cache:
 
     def read_blob(self, sha: str) -> bytes:
         """The blob's bytes; CacheError if it is missing or does not match its hash."""
-        return self.store.read_blob(sha, max_size=MAX_BLOB_BYTES)
+        if sha not in self._verified:
+            self._verified[sha] = self.store.read_blob(sha, max_size=MAX_BLOB_BYTES)
+        return self._verified[sha]
 
     # --- ranks and entries ------------------------------------------------------------------
     def put_rank(self, rank_key: str, record: dict) -> None:
@@ -83,24 +88,19 @@ class Cache:
         return self.store.get_record("entries", key)
 
     def get_entry(self, key: str) -> tuple[dict | None, str]:
-        """(entry, '') when it and every rank record are authenticated and every blob verifies;
-        else (None, why)."""
+        """(entry, '') when it is authenticated and every blob of its programs verifies (each
+        distinct blob hashed once); else (None, why)."""
         entry, why = self.store.record_state("entries", key)
         if entry is None:
             return None, "no entry for this key" if why == "missing" else f"the entry: {why}"
-        checked: set[str] = set()
-        for rank_key in entry.get("ranks", []):
-            record, why = self.store.record_state("ranks", rank_key)
-            if record is None:
-                return None, "an entry's rank record is missing" if why == "missing" else f"a rank record: {why}"
-            for sha in (record.get(k) for k in RANK_BLOBS):
-                if sha in checked:
-                    continue  # ranks share blobs: each is hashed once
-                try:
-                    self.read_blob(sha)
-                except CacheError as e:
-                    return None, f"the entry's {e}"
-                checked.add(sha)
+        programs = entry.get("programs")
+        if not isinstance(programs, list) or not programs:
+            return None, "the entry is from an older titan (no programs)"
+        for sha in sorted({p[k] for p in programs for k in ("forward", "backward", "meta")}):
+            try:
+                self.read_blob(sha)  # each distinct blob once
+            except CacheError as e:
+                return None, f"the entry's {e}"
         return entry, ""
 
     def touch(self, key: str) -> None:
@@ -116,8 +116,13 @@ class Cache:
     def entry_keys(self) -> list[str]:
         return self.store.record_names("entries")
 
+    @staticmethod
+    def program_blobs(entry: dict) -> set[str]:
+        """The blobs of an entry's programs (what its artifact is exported from)."""
+        return {p[k] for p in entry.get("programs", []) for k in ("forward", "backward", "meta")}
+
     def entry_blobs(self, entry: dict) -> set[str]:
-        shas = set()
+        shas = self.program_blobs(entry)
         for rank_key in entry.get("ranks", []):
             record = self.rank_record(rank_key) or {}
             shas.update(record.get(k) for k in RANK_BLOBS if isinstance(record.get(k), str))
@@ -208,7 +213,9 @@ class Cache:
         """Rank keys and blobs that some entry or rank record names."""
         live_ranks, live_blobs = set(), set()
         for key in self.entry_keys():
-            live_ranks.update((self.entry_record(key) or {}).get("ranks", []))
+            entry = self.entry_record(key) or {}
+            live_ranks.update(entry.get("ranks", []))
+            live_blobs.update(self.program_blobs(entry))
         for rank_key in self.store.record_names("ranks"):
             record = self.rank_record(rank_key) or {}
             live_blobs.update(record.get(k) for k in RANK_BLOBS)
@@ -241,6 +248,8 @@ class Cache:
             if rank_key not in live_ranks and mtime is not None and now - mtime > UNREFERENCED_GRACE_S:
                 self.store.remove_record("ranks", rank_key)
         live_blobs = set()
+        for key in self.entry_keys():
+            live_blobs.update(self.program_blobs(self.entry_record(key) or {}))
         for rank_key in live_ranks:
             record = self.rank_record(rank_key) or {}
             live_blobs.update(record.get(k) for k in RANK_BLOBS)

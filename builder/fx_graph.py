@@ -28,21 +28,31 @@ def move_after(anchor: fx.Node, nodes: list[fx.Node]) -> None:
         anchor.append(n)
 
 
-def hoist_ancestors(node: fx.Node, before: fx.Node) -> None:
-    """Move the non-placeholder ancestors of `node` that sit after `before` to just before it,
-    keeping their relative order (each is moved after its own inputs)."""
-    pos = positions(node.graph)
-    limit = pos[before]
-    late: set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n in late or n.op == "placeholder" or pos[n] < limit:
-            continue
-        late.add(n)
-        stack.extend(n.all_input_nodes)
-    for n in sorted(late, key=pos.__getitem__):
-        before.prepend(n)
+def hoist_ancestors(nodes: list[fx.Node], before: fx.Node) -> None:
+    """Move the non-placeholder ancestors of `nodes` (all after `before`) that sit after
+    `before` to just before it, keeping their relative order (each after its own inputs).
+    Walks only the stretch from `before` to the last of `nodes`, so callers stay linear."""
+    left = set(nodes)
+    stretch: dict[fx.Node, int] = {}
+    n = before.next
+    while left:
+        assert n.op != "root", "hoist_ancestors: a node is not after `before`"
+        stretch[n] = len(stretch)
+        left.discard(n)
+        n = n.next
+    moved: set[fx.Node] = set()
+    for node in nodes:  # one at a time, as separate calls would move them
+        late: set[fx.Node] = set()
+        stack = list(node.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n in late or n in moved or n.op == "placeholder" or n not in stretch:
+                continue
+            late.add(n)
+            stack.extend(n.all_input_nodes)
+        for n in sorted(late, key=stretch.__getitem__):
+            before.prepend(n)
+        moved |= late
 
 
 def unit_graph(graph: fx.Graph, together: dict[fx.Node, int]):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from titan.builder.collectives import ALL_GATHER, Collective, collectives
-from titan.builder.fx_graph import move_after, positions
+from titan.builder.fx_graph import move_after
 from titan.builder.passes import PassContext
 
 
@@ -40,40 +40,59 @@ def _ancestors_within(node: fx.Node, window: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
-def _issue_early(graph: fx.Graph, colls: list[Collective], fsdp_gathers: set[fx.Node]) -> None:
+def _window_before(start: fx.Node, stop) -> list[fx.Node]:
+    """The nodes between the last node before `start` for which stop(node) holds (exclusive)
+    and `start`, in graph order; walks back only that far, so the pass stays linear."""
+    window = []
+    n = start.prev
+    while n.op != "root" and not stop(n):
+        window.append(n)
+        n = n.prev
+    window.reverse()
+    return window
+
+
+def _issue_early(colls: list[Collective], fsdp_gathers: set[fx.Node]) -> None:
+    marks = {c.start for c in colls} | {c.wait for c in colls}
     previous_gather: Collective | None = None
     for c in colls:
-        nodes = list(graph.nodes)
-        pos = {n: i for i, n in enumerate(nodes)}
         if c.start in fsdp_gathers:
-            boundary = pos[previous_gather.wait] if previous_gather is not None else -1
+            boundary = previous_gather.wait if previous_gather is not None else None
             previous_gather = c
+            window = _window_before(c.start, lambda n, b=boundary: n is b)
+            if boundary is not None and (not window or window[0].prev is not boundary):
+                continue  # the previous gather's wait is not before this start: nothing moves
         else:
-            marks = [pos[d.start] for d in colls if pos[d.start] < pos[c.start]]
-            marks += [pos[d.wait] for d in colls if pos[d.wait] < pos[c.start]]
-            boundary = max(marks, default=-1)
-        window = [n for n in nodes[boundary + 1:pos[c.start]] if n.op != "placeholder"]
+            window = _window_before(c.start, marks.__contains__)
+        window = [n for n in window if n.op != "placeholder"]
         needed = _ancestors_within(c.start, set(window))
         move_after(c.start, [n for n in window if n not in needed])
 
 
-def _wait_late(graph: fx.Graph, colls: list[Collective]) -> None:
+def _wait_late(colls: list[Collective]) -> None:
+    starts_of = {c.start: c.group for c in colls}
     for c in colls:
-        pos = positions(graph)
-        nodes = list(graph.nodes)
-        limit = min(pos[u] for u in c.wait.users)
-        later_same_group = [pos[d.start] for d in colls if d.group == c.group and pos[d.start] > pos[c.start]]
-        limit = min([limit, *later_same_group])
-        if limit > pos[c.wait] + 1:
-            nodes[limit].prepend(c.wait)
+        users = set(c.wait.users)
+        # Never past the next collective on the same process group: a same-group start
+        # already sits between this start and its wait, or the walk stops at the next one.
+        n = c.start.next
+        while n is not c.wait and starts_of.get(n) != c.group:
+            n = n.next
+        if n is not c.wait:
+            continue
+        n = c.wait.next
+        while n.op != "root" and n not in users and starts_of.get(n) != c.group:
+            n = n.next
+        if n.op != "root" and n is not c.wait.next:
+            n.prepend(c.wait)
 
 
 def overlap_collectives_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     colls = collectives(gm.graph)
     fsdp_gathers = {c.start for c in colls
                     if c.start.target is ALL_GATHER and ctx.mesh_dims.get(c.group) == "dp_shard"}
-    _issue_early(gm.graph, colls, fsdp_gathers)
-    _wait_late(gm.graph, colls)
+    _issue_early(colls, fsdp_gathers)
+    _wait_late(colls)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -76,7 +76,8 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     click.echo(f"building {out}: {model} {spec.flavor}, {world} rank(s) [{spec.layout.tag()}], batch "
                f"{spec.batch_size} x seq {spec.seq_len}, {spec.dtype}{timings.expectation('build', key)}")
     t0 = time.perf_counter()
-    shown = BuildProgress(world)
+    from titan.builder.program import probe_ranks
+    shown = BuildProgress(len(probe_ranks(spec.layout)))  # the ranks traced (one program binds the rest)
 
     def progress(res):
         t = res.timings
@@ -115,9 +116,12 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
         manifest, stats = add_kernels(cache, outcome.key, out)
         click.echo(f"kernels: {len(manifest.get('kernels', {}))} in the artifact; {stats.line()}")
     size = sum((out / rel).stat().st_size for rel in manifest["files"])
-    graphs = sum(1 for rel in manifest["files"] if rel.startswith("graphs/"))
-    click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {graphs} distinct graphs for {world} ranks) "
-               f"in {time.perf_counter() - t0:.1f} s")
+    programs = len(manifest["programs"])
+    if outcome.note:
+        click.echo(f"note: the ranks are not one program ({outcome.note})")
+    traced = f"traced {len(outcome.traced)} rank(s) into " if outcome.traced else ""
+    click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {traced}{programs} program{'s' * (programs > 1)} "
+               f"for {world:,} ranks) in {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

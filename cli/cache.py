@@ -113,20 +113,17 @@ def ls_cmd(ctx):
 @click.pass_context
 @user_errors
 def info_cmd(ctx, key):
-    """Factors and per-rank blobs of one entry (KEY may be a unique prefix)."""
+    """Factors and programs of one entry (KEY may be a unique prefix)."""
     cache = _cache(ctx)
     info = cache.info(cache.resolve(key))
     click.echo(f"key {info.key}\nsize {_human(info.size)}, last used {_ago(info.last_used)}\nfactors:")
     for name, value in info.entry["factors"].items():
         click.echo(f"  {name}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
-    click.echo("ranks:")
-    for rank, rank_key in enumerate(info.entry["ranks"]):
-        record = cache.rank_record(rank_key)
-        if record is None:
-            click.echo(f"  {rank}: record missing or not authenticated (titan-cache verify)")
-            continue
-        click.echo(f"  {rank}: forward {record['forward'][:12]} backward {record['backward'][:12]} "
-                   f"meta {record['meta'][:12]}")
+    assignment = info.entry["rank_programs"]
+    click.echo(f"programs (traced ranks {' '.join(map(str, info.entry.get('traced_ranks', [])))}):")
+    for i, p in enumerate(info.entry["programs"]):
+        click.echo(f"  {i}: forward {p['forward'][:12]} backward {p['backward'][:12]} meta {p['meta'][:12]}, "
+                   f"{p.get('bindings', 0)} bindings, {assignment.count(i)} of {len(assignment)} ranks")
 
 
 @main.command("verify")

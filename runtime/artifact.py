@@ -12,7 +12,7 @@ from titan.runtime.layout import Layout
 from titan.runtime.safe_files import MAX_JSON_BYTES, UnsafeFile, loads_json, read_regular
 
 ARTIFACT_FORMAT = "titan-artifact"
-ARTIFACT_VERSION = 1
+ARTIFACT_VERSION = 2  # 2: programs shared by ranks, rank values bound at load
 MANIFEST = "manifest.json"
 MAX_FILE_BYTES = 1 << 30
 """Largest artifact file read (an 8B graph is ~2 MB; a 405B one a few times that)."""
@@ -82,31 +82,46 @@ class Artifact:
         for rel in self.manifest["files"]:
             self.read_verified(rel)
 
-    def rank_entry(self, rank: int) -> dict:
-        if not 0 <= rank < self.world_size:
+    def rank_coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate on each mesh dimension (of size > 1), from its rank and the
+        layout alone: what its program's bindings are bound from."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ArtifactError(f"rank {rank} is outside this artifact's world size {self.world_size}")
-        entry = self.manifest["ranks"][rank]
-        if entry["rank"] != rank:
-            raise ArtifactError(f"{self.root}: manifest rank table is out of order; rebuild with titan-build")
-        return entry
+        coords = self.layout.coordinates(rank)
+        return {name: coords[name] for name, _ in self.layout.mesh_shape()}
 
-    def rank_meta(self, rank: int) -> dict:
-        if rank not in self._rank_metas:
-            self._rank_metas[rank] = self._read_rank_meta(rank)
-        return self._rank_metas[rank]
+    def rank_entry(self, rank: int) -> dict:
+        """The files of the program this rank runs: {"meta", "forward", "backward"}."""
+        self.rank_coordinates(rank)  # in range
+        return self.manifest["programs"][self.manifest["rank_programs"][rank]]
 
-    def _read_rank_meta(self, rank: int) -> dict:
+    def program_meta(self, rank: int) -> dict:
+        """The metadata of the program this rank runs, as stored (slices named by mesh dimension)."""
+        rel = self.rank_entry(rank)["meta"]
         try:
-            meta = loads_json(self.read_verified(self.rank_entry(rank)["meta"], max_size=MAX_JSON_BYTES),
-                              f"{self.root}: rank {rank} metadata")
+            meta = loads_json(self.read_verified(rel, max_size=MAX_JSON_BYTES), f"{self.root}: program metadata {rel}")
         except UnsafeFile as e:
             raise ArtifactError(f"{e}; rebuild with titan-build") from None
-        if not isinstance(meta, dict) or meta.get("rank") != rank:
-            # A rank's graphs bake in its coordinates: running another rank's graphs trains wrong.
-            described = meta.get("rank") if isinstance(meta, dict) else None
-            raise ArtifactError(f"{self.root}: rank {rank} metadata describes rank {described!r}; "
-                                "rebuild with titan-build")
+        if not isinstance(meta, dict) or not isinstance(meta.get("params"), list):
+            raise ArtifactError(f"{self.root}: program metadata {rel} is malformed; rebuild with titan-build")
         return meta
+
+    def rank_meta(self, rank: int) -> dict:
+        """The program's metadata bound to this rank (read, verified and bound once per rank)."""
+        if rank not in self._rank_metas:
+            self._rank_metas[rank] = self._bound_meta(rank)
+        return self._rank_metas[rank]
+
+    def _bound_meta(self, rank: int) -> dict:
+        """The program's metadata bound to this rank: its rank, coordinates and parameter slices."""
+        from titan.runtime.program import bound_params
+        coords = self.rank_coordinates(rank)
+        meta = self.program_meta(rank)
+        try:
+            params = bound_params(meta["params"], coords, dict(self.layout.mesh_shape()), f"{self.root} rank {rank}")
+        except ValueError as e:
+            raise ArtifactError(f"{e}; rebuild with titan-build") from None
+        return dict(meta, rank=rank, coords=self.layout.coordinates(rank), params=params)
 
 
 def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:
@@ -125,7 +140,7 @@ def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artif
     if manifest.get("format_version") != ARTIFACT_VERSION:
         raise ArtifactError(f"{root} has artifact format {manifest.get('format_version')!r}; this runtime reads "
                             f"format {ARTIFACT_VERSION}: rebuild it with this version's titan-build")
-    for key in ("world_size", "mesh", "ranks", "files", "torch_version", "batch_size", "seq_len", "model_config"):
+    for key in ("world_size", "mesh", "programs", "rank_programs", "files", "torch_version", "batch_size", "seq_len", "model_config"):
         if key not in manifest:
             raise ArtifactError(f"{mpath} lacks '{key}'; rebuild with titan-build")
     from titan.runtime.validate import check_manifest

@@ -7,7 +7,7 @@ import msgpack
 from titan.runtime.safe_files import UnsafeFile, check_depth
 
 FORMAT = "titan-graph"
-VERSION = 1
+VERSION = 2  # 2: integers bound from rank coordinates ({"$bind": ...})
 # No integer in a graph or its metadata (sizes, counts) beyond this many elements (16 Gi: no
 # rank of a 405B model at batch 8 x 8192 holds a tensor a tenth that size): a crafted artifact
 # must not be able to ask for terabytes.

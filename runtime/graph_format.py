@@ -1,7 +1,7 @@
-"""The titan graph format (version 1): an FX graph as a msgpack node list, and its reader.
+"""The titan graph format (version 2): an FX graph as a msgpack node list, and its reader.
 
 A graph blob is a msgpack map:
-    {"format": "titan-graph", "version": 1, "nodes": [node, ...], "constants": bytes | null}
+    {"format": "titan-graph", "version": 2, "nodes": [node, ...], "constants": bytes | null}
 and each node is a map
     {"name": str, "op": "placeholder" | "call_function" | "get_attr" | "output",
      "target": str, "args": [value...], "kwargs": {str: value}, "val": meta, "module": str}
@@ -11,6 +11,8 @@ Values are msgpack scalars, lists, or one-key maps for what msgpack lacks:
     {"$dtype": s}    a torch dtype by name       {"$layout": s}  {"$mf": s} (memory format)
     {"$device": "local"}   the device the graph runs on
     {"$group": s}    the process group of mesh dimension s (e.g. "tp"), bound at load
+    {"$bind": {"base": b, "coef": {dim: a, ...}}}   an integer bound at load from the loading
+                     rank's mesh coordinates: b + sum(a * coordinate[dim]) (runtime/program.py)
 `val` describes a node's result: {"shape", "stride", "dtype"} for a tensor, a list of those
 for a tuple, {"int": n} for an integer, or null. Tensor constants (get_attr targets) are a
 safetensors document embedded as bytes. Call targets are "<namespace>.<op>.<overload>" from the
@@ -31,6 +33,7 @@ import torch.fx as fx
 
 from titan.runtime.graph_doc import FORMAT, MAX_ELEMENTS, VERSION, GraphFormatError, read_doc  # noqa: F401
 from titan.runtime.op_allowlist import ALLOWED_OPS
+from titan.runtime.program import BIND, bind_value
 
 # A fusion region tag: "<kind>#<n>"; runtime/fusion.py compiles each region.
 REGION = re.compile(r"([a-z_]{1,16})#\d{1,6}")
@@ -104,6 +107,9 @@ def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -
     if target is operator.getitem:
         if len(args) != 2 or kwargs or not isinstance(args[0], fx.Node) or not isinstance(args[1], int):
             raise GraphFormatError(f"node {i}: getitem takes (node, int)")
+        outputs = args[0].meta.get("titan_val")
+        if isinstance(outputs, list) and not 0 <= args[1] < len(outputs):
+            raise GraphFormatError(f"node {i}: getitem index {args[1]} is outside the {len(outputs)} results")
         return
     schema = target._schema
     params = schema.arguments
@@ -227,20 +233,24 @@ def _decode_value(v: Any, nodes: list[fx.Node], here: int, ctx: "_DecodeContext"
                 raise GraphFormatError(f"node {here}: process group {arg!r} is not a mesh dimension here "
                                        f"({', '.join(ctx.groups) or 'none'})")
             return ctx.groups[arg]
+        if key == BIND:
+            return bind_value(arg, ctx.coords, f"node {here}")
     raise GraphFormatError(f"node {here}: cannot decode value {v!r}")
 
 
 class _DecodeContext:
-    def __init__(self, device: torch.device, groups: dict[str, str]):
+    def __init__(self, device: torch.device, groups: dict[str, str], coords: dict[str, int] | None):
         self.device = device
         self.groups = groups
+        self.coords = coords
 
 
 def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
-               regions: frozenset[str] = frozenset()) -> fx.GraphModule:
+               regions: frozenset[str] = frozenset(), coords: dict[str, int] | None = None) -> fx.GraphModule:
     """Rebuild a GraphModule from a blob. `groups` maps mesh dimension names to the real
     process-group names of this process; `regions` are the fusion region kinds the graph may
-    be tagged with (region_kinds of the manifest's passes)."""
+    be tagged with (region_kinds of the manifest's passes); `coords` (this rank's coordinate on
+    each mesh dimension) binds the program's rank-specific values."""
     doc = read_doc(blob)
     constants: dict[str, torch.Tensor] = {}
     if doc.get("constants") is not None:
@@ -250,7 +260,7 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
             constants = safetensors.torch.load(doc["constants"])
         except Exception as e:  # safetensors raises its own error types on bad input
             raise GraphFormatError(f"graph constants are unreadable: {e}") from e
-    ctx = _DecodeContext(device, groups)
+    ctx = _DecodeContext(device, groups, coords)
     graph = fx.Graph()
     root = torch.nn.Module()
     nodes: list[fx.Node] = []

@@ -96,18 +96,18 @@ def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
 
 
 class GraphProgram:
-    """This rank's forward and backward graphs and its parameter shards."""
+    """The program this rank runs (its forward and backward graphs, bound to this rank's
+    coordinates) and this rank's parameter shards."""
 
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
                  load_param: Callable[[dict], torch.Tensor] | None = None):
         meta = artifact.rank_meta(rank)
         entry = artifact.rank_entry(rank)
-        groups = group_names(mesh)
         regions = region_kinds(artifact.manifest.get("passes"))  # fusion regions only if the build made them
-        self.forward = load_graph(artifact.read_verified(entry["forward"]), device=device, groups=groups,
-                                  regions=regions)
-        self.backward = load_graph(artifact.read_verified(entry["backward"]), device=device, groups=groups,
-                                   regions=regions)
+        # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
+        bind = dict(groups=group_names(mesh), coords=artifact.rank_coordinates(rank), device=device, regions=regions)
+        self.forward = load_graph(artifact.read_verified(entry["forward"]), **bind)
+        self.backward = load_graph(artifact.read_verified(entry["backward"]), **bind)
         check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
                    layout=artifact.manifest["layout"],
                    graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})

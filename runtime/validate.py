@@ -84,16 +84,21 @@ def check_manifest(m: dict) -> None:
     cfg = m.get("model_config")
     if not isinstance(cfg, dict) or not isinstance(cfg.get("vocab_size"), int) or cfg["vocab_size"] < 2:
         _fail(where, "'model_config' lacks a vocabulary size")
-    ranks = m.get("ranks")
-    if not isinstance(ranks, list) or len(ranks) != world:
-        _fail(where, f"'ranks' must have {world} entries")
-    for r, entry in enumerate(ranks):
-        if not isinstance(entry, dict) or entry.get("rank") != r:
-            _fail(where, f"rank entry {r} is malformed or out of order")
+    programs = m.get("programs")
+    if not isinstance(programs, list) or not 1 <= len(programs) <= world:
+        _fail(where, f"'programs' must list between 1 and {world} programs")
+    for i, entry in enumerate(programs):
+        if not isinstance(entry, dict):
+            _fail(where, f"program {i} is malformed")
         for key in ("meta", "forward", "backward"):
-            rel = check_rel_path(entry.get(key), f"{where} rank {r} {key}")
+            rel = check_rel_path(entry.get(key), f"{where} program {i} {key}")
             if rel not in files:
-                _fail(where, f"rank {r} {key} file {rel} is not listed in 'files'")
+                _fail(where, f"program {i} {key} file {rel} is not listed in 'files'")
+    assignment = m.get("rank_programs")
+    if not isinstance(assignment, list) or len(assignment) != world:
+        _fail(where, f"'rank_programs' must give a program for each of the {world} ranks")
+    for r, index in enumerate(assignment):
+        _int(index, f"{where} rank_programs[{r}]", 0, len(programs) - 1)
     _check_kernels(m.get("kernels", {}), files, where)
 
 
@@ -157,9 +162,9 @@ def check_rank(meta: dict, forward: fx.GraphModule, backward: fx.GraphModule, wh
     (`graph_hashes`: the sha256 of the forward and backward blobs the manifest gave this rank)."""
     for kind, digest in graph_hashes.items():
         if meta.get(f"{kind}_graph") != digest:
-            # A rank's graphs bake in its coordinates: running another rank's graphs trains wrong.
-            _fail(where, f"the manifest gives this rank a {kind} graph that is not the one traced for it "
-                         "(a rank must never run another rank's graph)")
+            # A program's metadata describes its own graphs: mixing programs trains wrong.
+            _fail(where, f"the manifest gives this rank a {kind} graph that is not its program's "
+                         "(a rank must never run another program's graph)")
     if meta.get("coords") != Layout.from_dict(layout).coordinates(rank):
         _fail(where, f"coordinates {meta.get('coords')!r} are not rank {rank}'s place in the mesh")
     inputs = meta.get("forward_inputs")

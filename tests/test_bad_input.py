@@ -82,7 +82,8 @@ def test_run_rejects_missing_file(tp2_copy):
 
 
 def test_run_rejects_edited_file(tp2_copy):
-    _edit_json(tp2_copy / "ranks" / "rank1.json", lambda d: d["params"][0]["init"].update(std=0.5))
+    meta = json.loads((tp2_copy / "manifest.json").read_text())["programs"][0]["meta"]
+    _edit_json(tp2_copy / meta, lambda d: d["params"][0]["init"].update(std=0.5))
     assert "does not match its sha256" in _run_one_step_error(tp2_copy)
 
 
@@ -113,14 +114,15 @@ def test_run_on_cuda_without_gpu_says_so(tp2_copy):
     assert "no CUDA GPU" in _error_line(r) and "--device cpu" in _error_line(r)
 
 
-def test_run_refuses_another_ranks_graph(tp2_copy):
+def test_run_refuses_a_graph_that_is_not_its_programs(tp2_copy):
     def swap(d):
-        d["ranks"][0]["forward"], d["ranks"][1]["forward"] = d["ranks"][1]["forward"], d["ranks"][0]["forward"]
+        program = d["programs"][0]
+        program["forward"], program["backward"] = program["backward"], program["forward"]
     _edit_json(tp2_copy / "manifest.json", swap)
-    assert "never run another rank's graph" in _run_one_step_error(tp2_copy)
+    assert "never run another program's graph" in _run_one_step_error(tp2_copy)
 
 
 def test_run_rejects_another_artifact_format_version(tp2_copy):
-    _edit_json(tp2_copy / "manifest.json", lambda d: d.update(format_version=2))
+    _edit_json(tp2_copy / "manifest.json", lambda d: d.update(format_version=1))
     line = _run_one_step_error(tp2_copy)
-    assert "artifact format 2" in line and "rebuild it with this version's titan-build" in line
+    assert "artifact format 1" in line and "rebuild it with this version's titan-build" in line

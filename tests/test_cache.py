@@ -34,7 +34,7 @@ def test_second_build_is_a_hit_and_traces_nothing(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "cache: hit" in second.stdout and "traced in" not in second.stdout
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
-    # tp ranks differ (vocab offsets); their graphs are stored once each, the meta per rank.
+    # tp ranks share one program (their vocab offsets are bound at load): traced ranks 0 and 1.
     ls = titan("cache", "ls", env=_env(cache))
     assert ls.returncode == 0 and ls.stdout.count("llama3 debug") == 1
 
@@ -43,8 +43,7 @@ def test_ranks_with_identical_graphs_share_blobs(tmp_path):
     r = titan("build", *SINGLE, "--dp-shard", 2, "--out", tmp_path / "a", env=_env(tmp_path / "cache"))
     assert r.returncode == 0, r.stderr
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert manifest["ranks"][0]["forward"] == manifest["ranks"][1]["forward"]
-    assert manifest["ranks"][0]["backward"] == manifest["ranks"][1]["backward"]
+    assert manifest["rank_programs"] == [0, 0] and len(manifest["programs"]) == 1
     assert sum(rel.startswith("graphs/") for rel in manifest["files"]) == 2
 
 

@@ -17,18 +17,20 @@ def _by(report: dict, where: str) -> list[dict]:
     return [d for d in report["differences"] if d["where"] == where]
 
 
-def test_tp_ranks_differ_exactly_in_the_rank_dependent_places(debug_artifact):
+def test_tp_ranks_differ_exactly_in_the_values_they_bind(debug_artifact):
     code, report = _diff_json(debug_artifact(tp=2), "--ranks", 0, 1)
     assert code == 1 and not report["identical"]
+    # One program serves both ranks; what differs is what each binds from its coordinates.
+    assert report["same_blobs"] == {"forward": True, "backward": True}
     # Forward: the vocab-parallel embedding masks ids outside this rank's vocab shard
     # [start, start + 1024) and shifts ids by start.
     fw = {(d["module"], d["node"].split()[1].rstrip("_0123456789"), d["detail"]) for d in _by(report, "forward")}
-    assert fw == {("tok_embeddings", "lt", "arg 1: 0 -> 1024"),
-                  ("tok_embeddings", "ge", "arg 1: 1024 -> 2048"),
-                  ("tok_embeddings", "sub", "arg 1: 0 -> 1024")}
+    assert fw == {("tok_embeddings", "lt", "arg 1: binds 0 -> 1024"),
+                  ("tok_embeddings", "ge", "arg 1: binds 1024 -> 2048"),
+                  ("tok_embeddings", "sub", "arg 1: binds 0 -> 1024")}
     # Backward: the rank's slice of the gathered output-layer input and of the embedding output.
     bw = {(d["module"], d["category"], d["detail"]) for d in _by(report, "backward")}
-    assert bw == {("output", "constants", "arg 1: 0 -> 1"), ("tok_embeddings", "constants", "arg 1: 0 -> 1")}
+    assert bw == {("output", "bindings", "arg 1: binds 0 -> 1"), ("tok_embeddings", "bindings", "arg 1: binds 0 -> 1")}
     # Rank metadata: the rank, its tp coordinate and which tp slice each sharded parameter holds
     # (12 split on dim 0: embedding, output, wq/wk/wv/w1/w3; 4 on dim 1: wo/w2), one line per change.
     rank = [d["detail"] for d in _by(report, "rank")]

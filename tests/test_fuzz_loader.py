@@ -205,7 +205,8 @@ def _mutate_json(value, data, depth=0):
 def test_manifest_and_metadata_mutations(single, tmp_path_factory, data):
     root = tmp_path_factory.mktemp("fuzz") / "art"
     shutil.copytree(single, root)
-    target = data.draw(st.sampled_from(["manifest.json", "ranks/rank0.json"]))
+    program_meta = json.loads((root / "manifest.json").read_text())["programs"][0]["meta"]
+    target = data.draw(st.sampled_from(["manifest.json", program_meta]))
     path = root / target
     doc = json.loads(path.read_text())
     path.write_text(json.dumps(_mutate_json(copy.deepcopy(doc), data)))
@@ -241,7 +242,7 @@ def test_op_target_swaps_across_aten(blobs, data):
 @given(data=st.data())
 def test_deep_nesting(single, blobs, tmp_path_factory, data):
     depth = data.draw(st.sampled_from([17, 33, 100, 1000, 5000, 100_000]))
-    where = data.draw(st.sampled_from(["graph", "manifest.json", "ranks/rank0.json"]))
+    where = data.draw(st.sampled_from(["graph", "manifest.json", "program metadata"]))
     if where == "graph":
         doc = msgpack.unpackb(data.draw(st.sampled_from(blobs)), raw=False)
         node = data.draw(st.sampled_from(doc["nodes"]))
@@ -251,6 +252,8 @@ def test_deep_nesting(single, blobs, tmp_path_factory, data):
         return
     root = tmp_path_factory.mktemp("deep") / "art"
     shutil.copytree(single, root)
+    if where == "program metadata":
+        where = json.loads((root / "manifest.json").read_text())["programs"][0]["meta"]
     doc = json.loads((root / where).read_text())
     key = data.draw(st.sampled_from(sorted(doc)))
     doc[key] = "DEEP"

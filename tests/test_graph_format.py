@@ -6,11 +6,11 @@ import msgpack
 import pytest
 import torch
 
-from titan.runtime.graph_format import GraphFormatError, load_graph
+from titan.runtime.graph_format import VERSION, GraphFormatError, load_graph
 
 
 def _blob(nodes, **extra) -> bytes:
-    return msgpack.packb({"format": "titan-graph", "version": 1, "nodes": nodes, "constants": None, **extra},
+    return msgpack.packb({"format": "titan-graph", "version": VERSION, "nodes": nodes, "constants": None, **extra},
                          use_bin_type=True)
 
 

@@ -53,7 +53,7 @@ def test_fsdp_collectives_are_bucketed_per_block_and_recorded_in_the_plan(debug_
     # merged into one per block (tok_embeddings, layers.0, layers.1, norm, output).
     assert (_collective_counts(unbucketed, "fw"), _collective_counts(unbucketed, "bw")) == (21, 21)
     assert (_collective_counts(bucketed, "fw"), _collective_counts(bucketed, "bw")) == (5, 5)
-    rank = json.loads((bucketed / "ranks" / "rank0.json").read_text())
+    rank = json.loads((bucketed / manifest["programs"][0]["meta"]).read_text())
     plan = [(b["graph"], b["kind"], b["group"], b["block"], len(b["params"]), b["elements"]) for b in rank["bucket_plan"]]
     block = (2 * 256 + 2 * 256 * 256 + 2 * 128 * 256 + 3 * 256 * 704) // 2  # this rank's half of one block
     assert plan == [("forward", "all_gather", "dp_shard", "tok_embeddings", 1, 1024 * 256),
@@ -108,8 +108,8 @@ def test_a_pass_that_cannot_apply_to_the_layout_fails_the_build(tmp_path):
 
 def test_full_activation_checkpointing_recomputes_blocks_and_stays_bitwise(debug_artifact):
     plain, full = debug_artifact(dp_shard=2), debug_artifact(dp_shard=2, extra=("--ac", "full"))
-    meta = {name: json.loads((art / "ranks" / "rank0.json").read_text()) for name, art in
-            (("none", plain), ("full", full))}
+    meta = {name: json.loads((art / json.loads((art / "manifest.json").read_text())["programs"][0]["meta"]).read_text())
+            for name, art in (("none", plain), ("full", full))}
     assert json.loads((full / "manifest.json").read_text())["ac"] == "full"
     # Only the residual stream between blocks (and what no block owns) stays saved ...
     assert 2 * meta["full"]["saved_activations"] <= meta["none"]["saved_activations"]

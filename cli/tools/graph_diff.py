@@ -1,5 +1,9 @@
 """Semantic differences between two ranks' graphs (of one artifact or of two builds).
 
+Ranks of one program share its graph blobs; what differs between them is the values each
+binds from its coordinates (category "bindings": e.g. the vocab shard bounds of the
+embedding mask, the index of its slice in a backward split), listed node by node.
+
 Graphs are aligned by structure: the sequence of (op kind, target, module path) is matched
 with a longest-common-subsequence alignment, so an inserted or removed node does not shift
 every later comparison. Paired nodes are then compared argument by argument, with node
@@ -14,12 +18,14 @@ from dataclasses import dataclass, field
 
 from titan.runtime.artifact import Artifact
 from titan.runtime.graph_doc import read_doc
+from titan.runtime.program import BIND, bind_value
 
 CATEGORIES = ("manifest", "rank metadata", "static inputs", "bucket plan", "op targets", "inserted", "removed",
-              "constants", "shapes", "collectives", "wiring")
+              "constants", "bindings", "shapes", "collectives", "wiring")
 _C10D = "_c10d_functional."
 # Manifest fields that say nothing about what was built.
-_MANIFEST_IGNORED = {"files", "ranks", "created", "name", "cache_key"}
+# (Programs are compared through the ranks' graphs and metadata, not by their file names.)
+_MANIFEST_IGNORED = {"files", "programs", "rank_programs", "created", "name", "cache_key"}
 _META_IGNORED = {"forward_graph", "backward_graph"}
 
 
@@ -57,8 +63,13 @@ class DiffReport:
         lines = []
         for where in ("manifest", "rank", "forward", "backward"):
             here = [d for d in self.differences if d.where == where]
-            if where in self.same_blobs and self.same_blobs[where]:
+            if self.same_blobs.get(where) and not here:
                 lines.append(f"{where}: identical (same blob)")
+                continue
+            if self.same_blobs.get(where):
+                modules = sorted({d.module for d in here if d.module})
+                lines.append(f"{where}: same program blob, {len(here)} bound values differ"
+                             + (f" in {', '.join(modules[:8])}" if modules else ""))
                 continue
             if not here:
                 if where in ("forward", "backward") and where not in self.same_blobs:
@@ -180,9 +191,14 @@ def _describe(n: dict) -> str:
     return kind
 
 
+def _is_bind(v) -> bool:
+    return isinstance(v, dict) and len(v) == 1 and BIND in v
+
+
 class _GraphDiff:
-    def __init__(self, where: str, a: list[dict], b: list[dict]):
+    def __init__(self, where: str, a: list[dict], b: list[dict], coords_a: dict, coords_b: dict):
         self.where, self.a, self.b = where, a, b
+        self.coords_a, self.coords_b = coords_a, coords_b
         self.map: dict[int, int] = {}
         self.out: list[Difference] = []
 
@@ -193,9 +209,13 @@ class _GraphDiff:
         self.out.append(Difference(self.where, category, detail, self._node(i, nodes), nodes[i].get("module", "")))
 
     def run(self) -> list[Difference]:
-        sm = difflib.SequenceMatcher(a=[_sig(n) for n in self.a], b=[_sig(n) for n in self.b], autojunk=False)
         pairs = []
-        for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if self.a is self.b:  # one program: node i is node i
+            opcodes = [("equal", 0, len(self.a), 0, len(self.b))]
+        else:
+            opcodes = difflib.SequenceMatcher(a=[_sig(n) for n in self.a], b=[_sig(n) for n in self.b],
+                                              autojunk=False).get_opcodes()
+        for tag, i1, i2, j1, j2 in opcodes:
             if tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1):
                 for k in range(i2 - i1):
                     self.map[i1 + k] = j1 + k
@@ -224,6 +244,12 @@ class _GraphDiff:
             self._args(kx.get(k), ky.get(k), i, f"{k}=")
 
     def _args(self, u, v, i: int, path: str) -> None:
+        if _is_bind(u) or _is_bind(v):
+            x = bind_value(u[BIND], self.coords_a, path) if _is_bind(u) else u
+            y = bind_value(v[BIND], self.coords_b, path) if _is_bind(v) else v
+            if x != y:
+                self._add("bindings", f"{path}: binds {_short(x)} -> {_short(y)}", i, self.a)
+            return
         if isinstance(u, list) and isinstance(v, list) and len(u) == len(v):
             for k, (p, q) in enumerate(zip(u, v)):
                 self._args(p, q, i, f"{path}{k}" if path.endswith(" ") else f"{path}[{k}]")
@@ -253,14 +279,14 @@ def diff_ranks(left: Artifact, left_rank: int, right: Artifact, right_rank: int,
         report.differences += _dict_diff(ma, mb, "manifest", "manifest")
     rank_differences = _meta_diff(left.rank_meta(left_rank), right.rank_meta(right_rank))
     ea, eb = left.rank_entry(left_rank), right.rank_entry(right_rank)
+    ca, cb = left.rank_coordinates(left_rank), right.rank_coordinates(right_rank)
     for kind in graphs:
         ha, hb = left.manifest["files"][ea[kind]], right.manifest["files"][eb[kind]]
         report.same_blobs[kind] = ha == hb
-        if ha == hb:
-            continue  # same content hash: nothing to align
         a = read_doc(left.read_verified(ea[kind]))
-        b = read_doc(right.read_verified(eb[kind]))
-        report.differences += _GraphDiff(kind, a["nodes"], b["nodes"]).run()
+        # One program: the same nodes, compared for the values each rank binds.
+        b = a if ha == hb else read_doc(right.read_verified(eb[kind]))
+        report.differences += _GraphDiff(kind, a["nodes"], b["nodes"], ca, cb).run()
         if a.get("constants") != b.get("constants"):
             report.differences.append(Difference(kind, "constants", "tensor constants differ"))
     report.differences += rank_differences  # after the graphs: what a reader looks for first

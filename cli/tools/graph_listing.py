@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from titan.runtime.artifact import Artifact
 from titan.runtime.graph_doc import read_doc
+from titan.runtime.program import BIND, bind_value
 
 _C10D = "_c10d_functional."
 
@@ -20,13 +21,21 @@ def _fmt_val(val) -> str:
     return "-"
 
 
-def _fmt_arg(a) -> str:
+def _fmt_bind(spec: dict, coords: dict[str, int]) -> str:
+    """A bound value as this rank sees it, and where it comes from: '1024 (= 0 + 1024*tp)'."""
+    terms = " + ".join([str(spec["base"])] + [f"{a}*{d}" for d, a in spec["coef"].items()])
+    return f"{bind_value(spec, coords, 'titan-show')} (= {terms})"
+
+
+def _fmt_arg(a, coords: dict[str, int]) -> str:
     if isinstance(a, dict) and len(a) == 1:
         (k, v), = a.items()
         if k == "$n":
             return f"%{v}"
+        if k == BIND:
+            return _fmt_bind(v, coords)
         if k == "$t":
-            return "(" + ", ".join(_fmt_arg(x) for x in v) + ")"
+            return "(" + ", ".join(_fmt_arg(x, coords) for x in v) + ")"
         if k == "$group":
             return f"group={v}"
         if k == "$dtype":
@@ -35,12 +44,17 @@ def _fmt_arg(a) -> str:
             return "device"
         return str(v)
     if isinstance(a, list):
-        return "[" + ", ".join(_fmt_arg(x) for x in a) + "]"
+        return "[" + ", ".join(_fmt_arg(x, coords) for x in a) + "]"
     return repr(a)
 
 
 def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
     entry, meta = art.rank_entry(rank), art.rank_meta(rank)
+    coords = art.rank_coordinates(rank)
+
+    def fmt(a) -> str:
+        return _fmt_arg(a, coords)
+
     doc = read_doc(art.read_verified(entry[kind]))
     nodes = doc["nodes"]
     sha = art.manifest["files"][entry[kind]]
@@ -64,17 +78,17 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
             items = outs.get("$t", outs) if isinstance(outs, dict) else outs
             lines.append(f"  %{i:<5} output {len(items)} values")
             if kind == "forward":
-                lines.append(f"         loss = {_fmt_arg(items[0])}; saved for backward ({n_saved}): "
-                             + ", ".join(_fmt_arg(x) for x in items[1:]))
+                lines.append(f"         loss = {fmt(items[0])}; saved for backward ({n_saved}): "
+                             + ", ".join(fmt(x) for x in items[1:]))
             else:
-                grads = [f"{fqn}={_fmt_arg(x)}" for fqn, x in zip(meta["backward_outputs"], items) if fqn]
+                grads = [f"{fqn}={fmt(x)}" for fqn, x in zip(meta["backward_outputs"], items) if fqn]
                 lines.append("         gradients: " + ", ".join(grads))
         else:
             target = n.get("target", "")
             mark = "**" if target.startswith(_C10D) and "wait_tensor" not in target else "  "
             collectives += mark == "**"
-            args = ", ".join(_fmt_arg(a) for a in n.get("args", []))
-            kwargs = ", ".join(f"{k}={_fmt_arg(v)}" for k, v in (n.get("kwargs") or {}).items())
+            args = ", ".join(fmt(a) for a in n.get("args", []))
+            kwargs = ", ".join(f"{k}={fmt(v)}" for k, v in (n.get("kwargs") or {}).items())
             call = f"{target}({args}{', ' if args and kwargs else ''}{kwargs})"
             lines.append(f"{mark}%{i:<5} {_fmt_val(n.get('val')):<24} = {call}{module}")
     lines.append(f"{collectives} collectives (marked **)")

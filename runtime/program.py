@@ -1,0 +1,58 @@
+"""Binding a program to one rank (spec: artifacts/README.md, "Programs and bindings").
+
+A program's graphs and metadata name rank-specific values by the mesh coordinate they come
+from; a rank binds them from its own coordinates, computed from its own rank and the layout,
+never from anything the artifact says about the rank. Every bound value is range-checked.
+"""
+
+from __future__ import annotations
+
+from titan.runtime.graph_doc import MAX_ELEMENTS, GraphFormatError
+
+BIND = "$bind"
+# Mesh dimensions that cut parameter slices, in the order the slices apply (tensor-parallel
+# first, then FSDP on dim 0 of that slice).
+SLICE_DIMS = ("tp", "dp_shard")
+
+
+def _bounded_int(v, where: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or abs(v) > MAX_ELEMENTS:
+        raise GraphFormatError(f"{where}: binding term {v!r} is not an integer within bounds")
+    return v
+
+
+def bind_value(spec, coords: dict[str, int] | None, where: str) -> int:
+    """The value of a binding {"base": b, "coef": {mesh dim: a}} at `coords`:
+    b + sum(a * coords[dim])."""
+    if coords is None:
+        raise GraphFormatError(f"{where}: the graph binds rank coordinates; load it for a rank")
+    if not isinstance(spec, dict) or set(spec) != {"base", "coef"} or not isinstance(spec["coef"], dict):
+        raise GraphFormatError(f"{where}: malformed binding {spec!r}")
+    value = _bounded_int(spec["base"], where)
+    for dim, coef in spec["coef"].items():
+        if dim not in coords:
+            raise GraphFormatError(f"{where}: binding on {dim!r}, which is not a mesh dimension here "
+                                   f"({', '.join(coords) or 'none'})")
+        value += _bounded_int(coef, where) * coords[dim]
+    return _bounded_int(value, where)
+
+
+def bound_params(params: list, coords: dict[str, int], sizes: dict[str, int], where: str) -> list:
+    """The program's parameter table with each slice's mesh dimension replaced by this rank's
+    coordinate on it (the slice index); a slice must cut its dimension into mesh-size parts."""
+    out = []
+    for p in params:
+        if not isinstance(p, dict) or not isinstance(p.get("slices"), list):
+            raise GraphFormatError(f"{where}: malformed parameter entry")
+        slices = []
+        for cut in p["slices"]:
+            if (not isinstance(cut, list) or len(cut) != 3 or not isinstance(cut[2], str) or cut[2] not in SLICE_DIMS
+                    or cut[2] not in sizes):
+                raise GraphFormatError(f"{where}: parameter {str(p.get('fqn'))[:80]} slice {cut!r} is not cut by "
+                                       "a sharded mesh dimension of this layout")
+            if cut[1] != sizes[cut[2]]:
+                raise GraphFormatError(f"{where}: parameter {str(p.get('fqn'))[:80]} slice {cut!r} does not cut "
+                                       f"{cut[2]} into its {sizes[cut[2]]} coordinates")
+            slices.append([cut[0], cut[1], coords[cut[2]]])
+        out.append(dict(p, slices=slices))
+    return out
