@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.runtime.artifact import cache_root
-from titan.runtime.content_store import ContentStore, layout_problems
+from titan.runtime.content_store import SHA256, ContentStore, layout_problems
 from titan.runtime.store_lock import StoreLock
 
 RECORD_KIND = "kernels"
@@ -57,6 +57,10 @@ class KernelStore:
         try:
             data = self.store.read_blob(record.get("sha256"), max_size=MAX_KERNEL_BYTES, what="kernel")
         except ValueError:
+            # Damaged (or gone): drop what is left of it, so that the recompiled kernel's blob is the
+            # only one the record names and verify has no orphan to report.
+            if isinstance(record.get("sha256"), str) and SHA256.fullmatch(record["sha256"]):
+                self.store.remove_blob(record["sha256"])
             return None
         try:
             self.store.touch(key)  # last use, for titan-cache gc

@@ -21,7 +21,7 @@ def _error_line(r) -> str:
     (("--model", "gpt9"), ["unknown model", "llama3"]),
     (("--flavor", "13B"), ["unknown flavor", "debug", "8B"]),
     (("--flavor", "debug", "--tp", "3"), ["--tp 3 does not divide", "heads"]),
-    (("--flavor", "debug", "--dp-shard", "0"), ["--dp-shard must be >= 1"]),
+    (("--flavor", "debug", "--dp-shard", "0"), ["invalid value for '--dp-shard'", "x>=1"]),
     (("--flavor", "debug", "--tp", "2", "--seq-len", "127"), ["--seq-len 127", "divisible by --tp 2"]),
 ])
 def test_build_rejects_bad_model_or_layout(args, words, tmp_path):
