@@ -1,5 +1,5 @@
 """Generic FX graph tools the passes share: where a node came from (its module), node order
-(positions, moves, a stable topological sort with groups kept together) and inserting a node
+(moves, a stable topological sort with groups kept together) and inserting a node
 whose fake value is computed from its inputs'.
 
 Nothing here knows about collectives or about a model: those live in collectives.py and the
@@ -16,10 +16,6 @@ import torch.fx as fx
 
 def module_path(node: fx.Node) -> str:
     return str((node.meta.get("custom") or {}).get("module", ""))
-
-
-def positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def move_after(anchor: fx.Node, nodes: list[fx.Node]) -> None:
