@@ -41,3 +41,10 @@ build_layouts() {
 wait_for() { until grep -q "built $1:" "$OUT/builds.txt" 2>/dev/null; do sleep 2; done; }
 # has_fuse: whether $MODES has a titan-fuse row (1) or not (0).
 has_fuse() { case ${MODES:-} in *titan-fuse*) echo 1;; *) echo 0;; esac; }
+# install_titan: titan itself (editable, no dependencies) unless this python already imports it.
+install_titan() {
+  if ! python3 -c "import titan.cli.build" 2>/dev/null; then
+    python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/titan-install.txt" 2>&1
+    echo "== titan installed: exit $? [$(elapsed) s]"
+  fi
+}

@@ -32,10 +32,7 @@ if [ -n "${BENCH_PROFILE:-}" ]; then
   export BENCH_PROFILE
 fi
 
-if ! python3 -c "import titan.cli.build" 2>/dev/null; then
-  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/titan-install.txt" 2>&1
-  echo "== titan installed: exit $? [$(elapsed) s]"
-fi
+install_titan
 if python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --require-hashes \
      -r benchmarks/peer_wheels.txt --target /tmp/peer-site > "$OUT/peer-install.txt" 2>&1; then
   export PYTHONPATH=/tmp/peer-site${PYTHONPATH:+:$PYTHONPATH}

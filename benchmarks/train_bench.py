@@ -16,6 +16,8 @@ titan:   titan-build (outside the timed run; a cache hit when built before), the
          (TITAN_VARIANTS): titan-nopass (no bucketing, no overlap, no exact fusion),
          titan-bucket (FSDP bucketing alone), titan-overlap (reordering alone), titan-noexact
          (the default passes but fuse_exact), titan-nocg (default passes, no CUDA graphs), titan-opbyop (AdamW op by op, not one kernel);
+         titan-kernels builds with --kernels (the exact regions' kernels compiled at build time
+         and shipped in the artifact: the run loads them, compiling nothing);
          titan-fuse / titan-fuse-regions use the numerics-changing fusion (titan-build --fuse).
 
 Peer rows (PEER_MODES), same shapes, precision policy and data, each in its own processes:
@@ -73,6 +75,7 @@ TITAN_VARIANTS = {
     "titan-overlap": (["--passes", "mask_index_put_to_where,overlap_collectives"], [], False),
     "titan-nocg": ([], ["--no-cuda-graphs"], False),
     "titan-opbyop": ([], ["--no-fused-adamw"], False),
+    "titan-kernels": (["--kernels"], [], False),
     "titan-fuse": (["--fuse"], [], False),
     "titan-fuse-regions": (["--fuse", "regions"], [], False),
 }
