@@ -1,5 +1,5 @@
 """The pieces the decoder families (llama3, deepseek_v3) share: RMSNorm, RoPE on interleaved
-pairs, and the forward pass from token embeddings to this rank's share of the loss. Plain
+pairs, the SwiGLU feed-forward, and the forward pass from token embeddings to this rank's share of the loss. Plain
 PyTorch, written for tracing."""
 
 from __future__ import annotations
@@ -29,6 +29,19 @@ class RMSNorm(nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): Llama's feed-forward, DeepSeek-V3's dense blocks and each expert."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def decoder_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor,

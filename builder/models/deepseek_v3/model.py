@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan.builder.models.decoder import RMSNorm, apply_rope, decoder_loss
+from titan.builder.models.decoder import RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
-from titan.builder.models.deepseek_v3.moe import MoE, SwiGLU
+from titan.builder.models.deepseek_v3.moe import MoE
 from titan.runtime.ops import causal_attention
 
 

@@ -8,10 +8,9 @@ inside forward (not stored as buffers), so a traced graph needs no constants.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from titan.builder.models.decoder import RMSNorm, apply_rope, decoder_loss
+from titan.builder.models.decoder import RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.llama3.config import LlamaConfig
 from titan.runtime.ops import causal_attention
 
@@ -51,24 +50,13 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
