@@ -20,6 +20,7 @@ ref-compile: the same, each block `torch.compile(fullgraph=True)` before shardin
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -42,14 +43,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), -1).flatten(-2).type_as(x)
 
 
+# Every projection of Llama is bias-free.
+Linear = functools.partial(nn.Linear, bias=False)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wq, self.wk, self.wv = Linear(cfg.dim, q_width), Linear(cfg.dim, kv_width), Linear(cfg.dim, kv_width)
+        self.wo = Linear(q_width, cfg.dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -62,28 +66,38 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        hidden = cfg.ffn_hidden
+        self.w1, self.w2, self.w3 = Linear(cfg.dim, hidden), Linear(hidden, cfg.dim), Linear(cfg.dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class PreNorm(nn.Module):
+    """x + fn(RMSNorm(x)): each half of a pre-norm transformer block."""
+
+    def __init__(self, cfg, fn: nn.Module) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
+        return x + self.fn(self.norm(x), *args)
+
+
 class Block(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.attn = PreNorm(cfg, Attention(cfg))
+        self.mlp = PreNorm(cfg, MLP(cfg))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return self.mlp(self.attn(x, cos, sin))
 
 
 class Llama(nn.Module):
@@ -91,9 +105,9 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = Linear(cfg.dim, cfg.vocab_size)
 
     def init_weights(self, seq_len: int, device: torch.device) -> None:
         """After to_empty: parameters drawn (std 0.02, norms 1) and the RoPE tables."""
@@ -109,32 +123,31 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
+        for block in self.layers:
             h = block(h, self.cos, self.sin)
         return self.output(self.norm(h))
 
 
-def _tp_plan(model: Llama) -> dict:
+def tp_plan() -> dict:
+    """Sequence parallel between the halves of each block: the norms run on a sequence shard,
+    and the input of attention and of the MLP is gathered once, before its column-wise
+    projections; the row-wise projections reduce-scatter back onto the sequence."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
-    for i in model.layers:
-        p = f"layers.{i}."
-        plan.update({
-            p + "attention_norm": SequenceParallel(),
-            p + "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-            p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(),
-            p + "attention.wv": ColwiseParallel(), p + "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            p + "ffn_norm": SequenceParallel(),
-            p + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel(),
-            p + "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
-    return plan
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        "layers.*.*.norm": SequenceParallel(),
+        "layers.*.attn.fn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                               desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.mlp.fn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.attn.fn.w[qkv]": ColwiseParallel(),
+        "layers.*.attn.fn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.mlp.fn.w[13]": ColwiseParallel(),
+        "layers.*.mlp.fn.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
 def build(mode: str, cfg, dp_shard: int, tp: int, seq_len: int, device: torch.device):
@@ -147,12 +160,12 @@ def build(mode: str, cfg, dp_shard: int, tp: int, seq_len: int, device: torch.de
     with torch.device("meta"):
         model = Llama(cfg)
     if tp > 1:
-        parallelize_module(model, mesh["tp"], _tp_plan(model))
+        parallelize_module(model, mesh["tp"], tp_plan())
     if mode == "ref-compile":
-        for block in model.layers.values():
+        for block in model.layers:
             block.compile(fullgraph=True)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers.values():
+    for block in model.layers:
         fully_shard(block, mesh=mesh["dp_shard"], mp_policy=mp)
     fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
     model.to_empty(device=device)

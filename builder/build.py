@@ -24,6 +24,7 @@ from titan.builder import rank_progress
 from titan.builder.cache import Cache
 from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
 from titan.builder.checkpointing import AC_POLICIES
+from titan.builder.layout import check_layout
 from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes import check_passes, default_passes
@@ -139,7 +140,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
-    family.check_layout(family.flavors[flavor], layout)
+    check_layout(family, family.flavors[flavor], layout)
     default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
     batch_size = default_b if batch_size is None else batch_size
     seq_len = default_s if seq_len is None else seq_len

@@ -1,4 +1,5 @@
-"""Whether a parallel layout (runtime/layout.py) fits a Llama-shaped model."""
+"""Whether a parallel layout (runtime/layout.py) fits a model: the checks every family shares,
+then the family's own (ModelSpec.check_layout, in the model's folder)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,19 @@ from typing import TYPE_CHECKING
 from titan.runtime.layout import MESH_DIMS, Layout
 
 if TYPE_CHECKING:
-    from titan.builder.models.llama3.config import LlamaConfig
+    from titan.builder.models.spec import ModelConfig, ModelSpec
 
 
-def check_layout(cfg: LlamaConfig, layout: Layout) -> None:
-    """Raise ValueError, naming the reason, when the layout does not fit the model (a --tp that
-    does not divide it)."""
+def check_layout(family: ModelSpec, cfg: ModelConfig, layout: Layout) -> None:
+    """Raise ValueError, naming the reason and the fix, when the layout does not fit the model."""
     for name in MESH_DIMS:
         if getattr(layout, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(layout, name)}")
-    tp = layout.tp
-    checks = [
-        (cfg.n_heads, "attention heads"),
-        (cfg.n_kv_heads, "key/value heads"),
-        (cfg.ffn_hidden, "feed-forward hidden width"),
-        (cfg.vocab_size, "vocabulary size"),
-    ]
-    for value, what in checks:
-        if value % tp:
-            raise ValueError(f"--tp {tp} does not divide the {what} ({value}); pick a --tp that divides it")
-    # dp_shard need not divide anything: FSDP pads uneven shards to full chunks (runtime/shards.py).
+    family.check_layout(cfg, layout)
+
+
+def require_divides(flag: str, degree: int, sizes: dict[str, int]) -> None:
+    """Raise ValueError unless the `--flag` degree divides each named size of the model."""
+    for what, size in sizes.items():
+        if size % degree:
+            raise ValueError(f"--{flag} {degree} does not divide the {what} ({size}); pick a --{flag} that divides it")

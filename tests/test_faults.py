@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from conftest import titan
+from processes import children, process_stats
 
 SINGLE = ("--flavor", "debug")
 
@@ -31,18 +32,6 @@ def _wait_for(stream_path: Path, text: str, timeout: float) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"{text!r} never appeared in {stream_path}: {stream_path.read_text()[-2000:]}")
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
 
 
 def test_killed_rank_makes_its_peer_exit_with_a_clear_error(debug_artifact, tmp_path):
@@ -80,7 +69,7 @@ def test_titan_run_fails_when_one_of_its_ranks_is_killed(debug_artifact, tmp_pat
                                 stdout=open(out, "w"), stderr=open(err, "w"), env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         _wait_for(out, "step    3/", 120)
-        ranks = _children(launcher.pid)
+        ranks = children(launcher.pid)
         assert len(ranks) == 2
         os.kill(ranks[1], signal.SIGKILL)
         code = launcher.wait(timeout=60)
@@ -90,8 +79,7 @@ def test_titan_run_fails_when_one_of_its_ranks_is_killed(debug_artifact, tmp_pat
     assert "error: rank 1 was killed by SIGKILL" in err.read_text()
     assert "Traceback" not in err.read_text()
     time.sleep(0.5)
-    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()
-                and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    assert not {pid for pid, fields in process_stats() if fields[0] != "Z"} & set(ranks)
 
 
 def _limit_file_size():

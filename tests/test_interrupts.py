@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import titan
+from processes import session_pids
 
 BUILD = ("--flavor", "debug", "--tp", "2", "--jobs", "2")
 BATCH = 8
@@ -43,18 +44,6 @@ def _load(n: int = 2):
         for b in burners:
             b.kill()
             b.wait()
-
-
-def _session_pids(sid: int) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: the session id
-            pids.append(int(stat.parent.name))
-    return pids
 
 
 def _interrupt_at(commands: list[tuple[list[str], dict, float]], tmp_path: Path,
@@ -92,7 +81,7 @@ def _interrupt_at(commands: list[tuple[list[str], dict, float]], tmp_path: Path,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(run["p"].pid, signal.SIGKILL)
         time.sleep(0.2)
-        run["left"] = _session_pids(run["p"].pid)
+        run["left"] = session_pids(run["p"].pid)
         run["stderr"] = run["err"].read_text()
         run["stdout"] = run["out"].read_text()
     return started

@@ -7,13 +7,14 @@ never imports model code; what it needs of a model travels in the artifact as da
 manifest's `hf_checkpoint` record, for example).
 
 Importing a spec imports no torch (titan-build's cache-hit path reads flavors and shapes):
-`build` and `tp_plan` import the model code when called.
+`build` and `tp_plan` import the model code when called (`lazy`).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 
 if TYPE_CHECKING:
     from torch import nn
@@ -28,16 +29,52 @@ class ModelConfig(Protocol):
     def as_dict(self) -> dict[str, Any]: ...
 
 
+@dataclass(frozen=True)
+class Flavors(Mapping[str, ModelConfig]):
+    """A family's sizes by name (titan-build --flavor) and the one picked without --flavor."""
+
+    shapes: Mapping[str, ModelConfig]
+    """Flavor name -> its config (e.g. debug, 8B)."""
+    default: str
+    """The flavor titan-build picks without --flavor (left out of artifact names)."""
+
+    def __getitem__(self, name: str) -> ModelConfig:
+        return self.shapes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def lazy(module: str, name: str) -> Callable:
+    """`module.name`, imported at the first call: a spec names its torch code without importing it."""
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    call.__qualname__ = f"{module}.{name}"
+    return call
+
+
+def layer_block(module: str) -> str:
+    """Module path -> its block, for families whose blocks are `layers.<n>`:
+    'layers.3.attention.wq' -> 'layers.3'; 'output' -> 'output'."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]
+
+
+def layer_number(module: str) -> int | None:
+    """Module path -> the number of its `layers.<n>` block (3 for 'layers.3.attention'), else None."""
+    parts = module.split(".")
+    return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 else None
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelSpec:
     name: str
     """Family name (titan-build --model)."""
-    flavors: Mapping[str, ModelConfig]
-    """Sizes of the family (titan-build --flavor), e.g. debug, 8B."""
-    default_flavor: str
-    """The flavor titan-build picks without --flavor (left out of artifact names)."""
-    config_from_dict: Callable[[dict], ModelConfig]
-    """The manifest's model_config back into the config type."""
+    flavors: Flavors
+    """Sizes of the family (titan-build --flavor), e.g. debug, 8B, and the default one."""
     build: Callable[[ModelConfig], nn.Module]
     """The module, created on the current default device. forward(tokens, labels) returns this
     rank's share of the mean loss: the summed token loss divided by the module's `loss_scale`
@@ -47,16 +84,26 @@ class ModelSpec:
     tp_plan: Callable[[nn.Module], dict]
     """The tensor-parallel plan for parallelize_module: module path -> parallel style."""
     check_layout: Callable[[ModelConfig, Layout], None]
-    """Raise ValueError, naming the reason, when a layout does not divide the model."""
-    block_of: Callable[[str], str]
-    """Module path -> the block it belongs to ('layers.3.attention.wq' -> 'layers.3'): FSDP
-    buckets and fuse_blocks' regions follow blocks."""
-    ac_block: Callable[[str], int | None]
-    """Module path -> the number of the block that activation checkpointing recomputes as one
-    unit, or None for modules outside blocks (embedding, final norm, output, loss)."""
+    """The model's own layout checks: raise ValueError, naming the reason and the fix, when a
+    layout does not divide the model (builder/layout.py runs the checks common to every family
+    first)."""
     region_kind: Callable[[str], str | None]
     """Module path -> fuse_regions' region kind (e.g. 'rms_norm'), or None: not fused."""
+    block_of: Callable[[str], str] = layer_block
+    """Module path -> the block it belongs to ('layers.3.attention.wq' -> 'layers.3'): FSDP
+    buckets and fuse_blocks' regions follow blocks."""
+    ac_block: Callable[[str], int | None] = layer_number
+    """Module path -> the number of the block that activation checkpointing recomputes as one
+    unit, or None for modules outside blocks (embedding, final norm, output, loss)."""
     hf_checkpoint: Callable[[ModelConfig, list[str]], HFRecord] | None = None
     """The Hugging Face checkpoint record for the given parameters (names, row permutations,
     expected config.json values), written into the manifest for --init-from-hf and
     titan-export; None when the family has no Hugging Face counterpart."""
+
+    @property
+    def default_flavor(self) -> str:
+        return self.flavors.default
+
+    def config_from_dict(self, values: dict) -> ModelConfig:
+        """The manifest's model_config back into the family's config type."""
+        return type(self.flavors[self.flavors.default])(**values)

@@ -9,16 +9,11 @@ an `ep` mesh dimension (README.md, "Not wired yet").
 
 from __future__ import annotations
 
-from titan.builder.models.deepseek_v3.config import DEFAULT_FLAVOR, FLAVORS, DeepSeekV3Config
+from titan.builder.layout import require_divides
+from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config
 from titan.builder.models.deepseek_v3.init import init_specs
-from titan.builder.models.llama3.naming import ac_block, block_of
-from titan.builder.models.spec import ModelSpec
-from titan.runtime.layout import MESH_DIMS, Layout
-
-
-def _build(cfg: DeepSeekV3Config):
-    from titan.builder.models.deepseek_v3.model import DeepSeekV3
-    return DeepSeekV3(cfg)
+from titan.builder.models.spec import ModelSpec, lazy
+from titan.runtime.layout import Layout
 
 
 def _tp_plan(model) -> dict:
@@ -27,9 +22,6 @@ def _tp_plan(model) -> dict:
 
 def check_layout(cfg: DeepSeekV3Config, layout: Layout) -> None:
     """Raise ValueError, naming the reason, when the layout does not fit the model."""
-    for name in MESH_DIMS:
-        if getattr(layout, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(layout, name)}")
     if layout.tp > 1:
         raise ValueError("deepseek_v3 has no tensor-parallel plan yet; build it with --tp 1")
     qk = cfg.n_heads * cfg.qk_head_dim
@@ -41,10 +33,7 @@ def check_layout(cfg: DeepSeekV3Config, layout: Layout) -> None:
              "shared expert rows": cfg.moe_hidden * cfg.n_shared_experts}
     if cfg.q_lora_rank:
         dim0s["query latent rows"] = cfg.q_lora_rank
-    for what, value in dim0s.items():
-        if value % layout.dp_shard:
-            raise ValueError(f"--dp-shard {layout.dp_shard} does not divide the {what} ({value}) of this model; "
-                             "pick a --dp-shard that divides it")
+    require_divides("dp-shard", layout.dp_shard, dim0s)
 
 
 def region_kind(module: str) -> str | None:
@@ -55,13 +44,9 @@ def region_kind(module: str) -> str | None:
 SPEC = ModelSpec(
     name="deepseek_v3",
     flavors=FLAVORS,
-    default_flavor=DEFAULT_FLAVOR,
-    config_from_dict=lambda d: DeepSeekV3Config(**d),
-    build=_build,
-    init_specs=init_specs,
+    build=lazy("titan.builder.models.deepseek_v3.model", "DeepSeekV3"),
     tp_plan=_tp_plan,
+    init_specs=init_specs,
     check_layout=check_layout,
-    block_of=block_of,
-    ac_block=ac_block,
     region_kind=region_kind,
 )

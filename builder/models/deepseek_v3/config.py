@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from titan.builder.models.spec import Flavors
+
 
 @dataclass(kw_only=True, frozen=True)
 class DeepSeekV3Config:
@@ -29,37 +31,37 @@ class DeepSeekV3Config:
     """Experts every token goes through (one SwiGLU of width n_shared_experts * moe_hidden)."""
     top_k: int
     """Routed experts per token."""
-    n_expert_groups: int = 1
+    n_expert_groups: int
     """Group-limited routing: the experts are split into this many groups ..."""
-    n_limited_groups: int = 1
+    n_limited_groups: int
     """... and each token picks its top_k experts inside its best n_limited_groups groups."""
-    route_scale: float = 1.0
+    route_scale: float
     """The routing weights (normalized over the chosen experts) are multiplied by this."""
-    q_lora_rank: int = 0
+    q_lora_rank: int
     """Rank of the low-rank query projection; 0: a plain (full-rank) query projection."""
-    kv_lora_rank: int = 512
+    kv_lora_rank: int
     """Width of the compressed key/value latent."""
-    qk_nope_head_dim: int = 128
+    qk_nope_head_dim: int
     """Per-head query/key dims without rotary embedding."""
-    qk_rope_head_dim: int = 64
+    qk_rope_head_dim: int
     """Per-head query/key dims with rotary embedding (the key part is shared by all heads)."""
-    v_head_dim: int = 128
+    v_head_dim: int
     """Per-head value dims."""
-    norm_eps: float = 1e-6
+    norm_eps: float
     """RMSNorm epsilon."""
-    rope_theta: float = 10000.0
+    rope_theta: float
     """RoPE base frequency."""
-    rope_factor: float = 1.0
+    rope_factor: float
     """YaRN context extension factor (1: plain RoPE)."""
-    rope_original_seq_len: int = 4096
+    rope_original_seq_len: int
     """YaRN: the context length the model was pre-trained with."""
-    rope_beta_fast: int = 32
+    rope_beta_fast: int
     """YaRN: rotations per context below which a frequency is interpolated ..."""
-    rope_beta_slow: int = 1
+    rope_beta_slow: int
     """... and above which it is kept (linear ramp between)."""
-    rope_mscale: float = 1.0
+    rope_mscale: float
     """YaRN attention temperature: the softmax scale is multiplied by yarn_mscale(factor, this)**2."""
-    bias_update_rate: float = 1e-3
+    bias_update_rate: float
     """Auxiliary-loss-free balancing: each step every expert's routing bias moves by this much
     towards the mean load (up when under-loaded, down when over-loaded)."""
 
@@ -87,21 +89,47 @@ class DeepSeekV3Config:
 # layer. `16B` is DeepSeek-V2-Lite's shapes with V3's sigmoid routing, as torchtitan's 16B
 # flavor. `debug` is CPU-sized: 8 experts in 4 groups, 3 chosen from the best 2 groups, so the
 # group-limited routing runs and a token can go to experts on several expert-parallel ranks.
-FLAVORS: dict[str, DeepSeekV3Config] = {
-    "debug": DeepSeekV3Config(
-        dim=64, n_layers=3, n_dense_layers=1, n_heads=4, vocab_size=512, dense_hidden=128,
-        moe_hidden=32, n_routed_experts=8, n_shared_experts=1, top_k=3, n_expert_groups=4,
-        n_limited_groups=2, route_scale=1.0, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16),
-    "16B": DeepSeekV3Config(
-        dim=2048, n_layers=27, n_dense_layers=1, n_heads=16, vocab_size=102400, dense_hidden=10944,
-        moe_hidden=1408, n_routed_experts=64, n_shared_experts=2, top_k=6, q_lora_rank=0,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-    "671B": DeepSeekV3Config(
-        dim=7168, n_layers=61, n_dense_layers=3, n_heads=128, vocab_size=129280, dense_hidden=18432,
-        moe_hidden=2048, n_routed_experts=256, n_shared_experts=1, top_k=8, n_expert_groups=8,
-        n_limited_groups=4, route_scale=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, rope_factor=40.0, rope_original_seq_len=4096,
-        rope_beta_fast=32, rope_beta_slow=1, rope_mscale=1.0),
-}
-DEFAULT_FLAVOR = "16B"
+# One row per field, one column per flavor.
+_PUBLISHED = """
+                          debug      16B     671B
+dim                          64     2048     7168
+n_layers                      3       27       61
+n_dense_layers                1        1        3
+n_heads                       4       16      128
+vocab_size                  512   102400   129280
+dense_hidden                128    10944    18432
+moe_hidden                   32     1408     2048
+n_routed_experts              8       64      256
+n_shared_experts              1        2        1
+top_k                         3        6        8
+n_expert_groups               4        1        8
+n_limited_groups              2        1        4
+route_scale                 1.0      1.0      2.5
+q_lora_rank                  32        0     1536
+kv_lora_rank                 32      512      512
+qk_nope_head_dim             16      128      128
+qk_rope_head_dim              8       64       64
+v_head_dim                   16      128      128
+norm_eps                   1e-6     1e-6     1e-6
+rope_theta                  1e4      1e4      1e4
+rope_factor                 1.0      1.0     40.0
+rope_original_seq_len      4096     4096     4096
+rope_beta_fast               32       32       32
+rope_beta_slow                1        1        1
+rope_mscale                 1.0      1.0      1.0
+bias_update_rate           1e-3     1e-3     1e-3
+"""
+
+
+def _flavors(table: str) -> dict[str, DeepSeekV3Config]:
+    """The table's columns as configs, each value parsed as its field's type."""
+    names, *rows = [line.split() for line in table.strip().splitlines()]
+    parse = {f.name: {"int": int, "float": float}[f.type] for f in dataclasses.fields(DeepSeekV3Config)}
+    values: dict[str, dict] = {name: {} for name in names}
+    for field, *column in rows:
+        for name, value in zip(names, column, strict=True):
+            values[name][field] = parse[field](value)
+    return {name: DeepSeekV3Config(**fields) for name, fields in values.items()}
+
+
+FLAVORS = Flavors(default="16B", shapes=_flavors(_PUBLISHED))

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan.builder.models.decoder import RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
-from titan.builder.models.deepseek_v3.moe import MoE, SwiGLU
-from titan.builder.models.llama3.model import RMSNorm, apply_rope
+from titan.builder.models.deepseek_v3.moe import MoE
 from titan.runtime.ops import causal_attention
 
 
@@ -117,9 +117,4 @@ class DeepSeekV3(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_tables(tokens.shape[1], self.cfg, tokens.device)
-        h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        logits = self.output(self.norm(h))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
-        return loss / self.loss_scale
+        return decoder_loss(self, tokens, labels, cos, sin)

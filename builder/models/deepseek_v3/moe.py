@@ -11,19 +11,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from titan.builder.models.decoder import SwiGLU
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
 from titan.builder.models.deepseek_v3.dispatch import DispatchPlan, dispatch_and_combine
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, cfg: DeepSeekV3Config

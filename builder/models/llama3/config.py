@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from titan.builder.models.spec import Flavors
+
 
 @dataclass(kw_only=True, frozen=True)
 class LlamaConfig:
@@ -43,7 +45,7 @@ class LlamaConfig:
 
 
 # Published Llama 3.x shapes. `1B` is Llama 3.2 1B with untied output weights.
-FLAVORS: dict[str, LlamaConfig] = {
+FLAVORS = Flavors(default="8B", shapes={
     "debug": LlamaConfig(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=2048,
                          multiple_of=64, ffn_dim_multiplier=None),
     "1B": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
@@ -54,5 +56,4 @@ FLAVORS: dict[str, LlamaConfig] = {
                        multiple_of=4096, ffn_dim_multiplier=1.3),
     "405B": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                         multiple_of=4096, ffn_dim_multiplier=1.2),
-}
-DEFAULT_FLAVOR = "8B"
+})

@@ -8,9 +8,9 @@ inside forward (not stored as buffers), so a traced graph needs no constants.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from titan.builder.models.decoder import RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.llama3.config import LlamaConfig
 from titan.runtime.ops import causal_attention
 
@@ -22,28 +22,6 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torc
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
 
 
 class Attention(nn.Module):
@@ -72,24 +50,13 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -116,9 +83,4 @@ class Llama3(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
-        h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        logits = self.output(self.norm(h))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
-        return loss / self.loss_scale
+        return decoder_loss(self, tokens, labels, cos, sin)
