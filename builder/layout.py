@@ -1,10 +1,10 @@
-"""Whether a parallel layout (runtime/layout.py) fits a Llama-shaped model."""
+"""Whether a parallel layout (runtime/contract/layout.py) fits a Llama-shaped model."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from titan.runtime.layout import MESH_DIMS, Layout
+from titan.runtime.contract.layout import MESH_DIMS, Layout
 
 if TYPE_CHECKING:
     from titan.builder.models.llama3.config import LlamaConfig

@@ -13,7 +13,7 @@ from titan.builder.models.deepseek_v3.config import DEFAULT_FLAVOR, FLAVORS, Dee
 from titan.builder.models.deepseek_v3.init import init_specs
 from titan.builder.models.llama3.naming import ac_block, block_of
 from titan.builder.models.spec import ModelSpec
-from titan.runtime.layout import MESH_DIMS, Layout
+from titan.runtime.contract.layout import MESH_DIMS, Layout
 
 
 def _build(cfg: DeepSeekV3Config):

@@ -14,7 +14,7 @@ from torch import nn
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
 from titan.builder.models.deepseek_v3.moe import MoE, SwiGLU
 from titan.builder.models.llama3.model import RMSNorm, apply_rope
-from titan.runtime.ops import causal_attention
+from titan.runtime.contract.ops import causal_attention
 
 
 def rope_tables(seq_len: int, cfg: DeepSeekV3Config, device) -> tuple[torch.Tensor, torch.Tensor]:

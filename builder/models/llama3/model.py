@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan.builder.models.llama3.config import LlamaConfig
-from titan.runtime.ops import causal_attention
+from titan.runtime.contract.ops import causal_attention
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
