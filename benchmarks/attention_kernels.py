@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from titan.runtime import ops
+from titan.runtime.contract import ops
 
 
 def _step_ms(fwd, bwd, q, k, v, grad, iters: int = 20) -> float:

@@ -24,7 +24,7 @@ from titan.builder import trace
 from titan.builder.build import make_spec
 from titan.builder.parallelize import parallelize
 from titan.builder.passes import PASSES, PassContext
-from titan.runtime.layout import mesh_dims_by_group
+from titan.runtime.contract.layout import mesh_dims_by_group
 
 
 def pass_seconds(n_layers: int) -> tuple[int, dict[str, float]]:

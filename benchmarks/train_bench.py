@@ -103,7 +103,7 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from titan.cli.tools.eager import materialize_shards
-    from titan.runtime.layout import Layout
+    from titan.runtime.contract.layout import Layout
     from titan.builder.models import model_spec
     from titan.builder.parallelize import parallelize
     from titan.runtime.data import SyntheticTokens

@@ -30,8 +30,8 @@ from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes import check_passes, default_passes
 from titan.runtime import interrupt
 from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
-from titan.runtime.hf_record import RECORD
-from titan.runtime.layout import Layout
+from titan.runtime.contract.hf_record import RECORD
+from titan.runtime.contract.layout import Layout
 
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}

@@ -43,7 +43,7 @@ def _expensive_ops() -> set:
     """What selective saves: matmuls, attention and tensor-parallel reduce-scatters."""
     import torch
 
-    import titan.runtime.ops  # noqa: F401  (registers torch.ops.titan)
+    import titan.runtime.contract.ops  # noqa: F401  (registers torch.ops.titan)
     from titan.builder.collectives import REDUCE_SCATTER
 
     return {torch.ops.aten.mm.default, torch.ops.titan.attention.default, REDUCE_SCATTER}

@@ -23,8 +23,8 @@ def compile_kernels(cache: Cache, entry: dict) -> tuple[dict[str, str], object]:
     if not torch.cuda.is_available():
         raise ValueError("--kernels compiles the fusion kernels on a GPU and none is visible here; run titan-build "
                          "--kernels on one GPU of the kind the job will use (the build itself needs none)")
+    from titan.runtime.contract.graph_decode import load_graph, region_kinds
     from titan.runtime.fusion import FusionStats, KernelSources, compile_regions
-    from titan.runtime.graph_format import load_graph, region_kinds
     from titan.runtime.kernel_store import KernelStore
 
     torch.cuda.set_device(0)

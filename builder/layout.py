@@ -1,11 +1,11 @@
-"""Whether a parallel layout (runtime/layout.py) fits a model: the checks every family shares,
+"""Whether a parallel layout (runtime/contract/layout.py) fits a model: the checks every family shares,
 then the family's own (ModelSpec.check_layout, in the model's folder)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from titan.runtime.layout import MESH_DIMS, Layout
+from titan.runtime.contract.layout import MESH_DIMS, Layout
 
 if TYPE_CHECKING:
     from titan.builder.models.spec import ModelConfig, ModelSpec

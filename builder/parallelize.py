@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.runtime.init import shard_of
-from titan.runtime.layout import DP_DIMS, Layout
+from titan.runtime.contract.layout import DP_DIMS, Layout
 
 
 @dataclass(kw_only=True, frozen=True)

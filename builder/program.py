@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import msgpack
 
-from titan.runtime.layout import Layout
-from titan.runtime.graph_doc import read_doc
-from titan.runtime.program import BIND, SLICE_DIMS
+from titan.runtime.contract.bindings import BIND, SLICE_DIMS
+from titan.runtime.contract.graph_doc import read_doc
+from titan.runtime.contract.layout import Layout
 
 
 class NotOneProgram(Exception):

@@ -22,11 +22,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.builder.build import BuildSpec
 from titan.builder.checkpointing import tag_activation_checkpointing
-from titan.builder.graph_writer import encode_graph
 from titan.builder.parallelize import parallelize
 from titan.builder.passes import PASSES, PassContext
 from titan.builder.rank_progress import report
-from titan.runtime.layout import mesh_dims_by_group
+from titan.runtime.contract.graph_encode import encode_graph
+from titan.runtime.contract.layout import mesh_dims_by_group
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 

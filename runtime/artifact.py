@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan.runtime.layout import Layout
+from titan.runtime.contract.layout import Layout
 from titan.runtime.safe_files import MAX_JSON_BYTES, UnsafeFile, loads_json, read_regular
 
 ARTIFACT_FORMAT = "titan-artifact"
@@ -114,7 +114,7 @@ class Artifact:
 
     def _bound_meta(self, rank: int) -> dict:
         """The program's metadata bound to this rank: its rank, coordinates and parameter slices."""
-        from titan.runtime.program import bound_params
+        from titan.runtime.contract.bindings import bound_params
         coords = self.rank_coordinates(rank)
         meta = self.program_meta(rank)
         try:
@@ -143,7 +143,7 @@ def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artif
     for key in ("world_size", "mesh", "programs", "rank_programs", "files", "torch_version", "batch_size", "seq_len", "model_config"):
         if key not in manifest:
             raise ArtifactError(f"{mpath} lacks '{key}'; rebuild with titan-build")
-    from titan.runtime.validate import check_manifest
+    from titan.runtime.contract.checks import check_manifest
     check_manifest(manifest)
     if check_torch:  # after check_manifest: torch_version is a version string
         built, here = torch_release(manifest["torch_version"]), torch_release(installed_torch_version())

@@ -1,5 +1,5 @@
 """Process-group setup for one rank: environment (torchrun style), device, backend (the mesh:
-runtime/layout.py)."""
+runtime/contract/layout.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from titan.runtime.layout import DP_DIMS
+from titan.runtime.contract.layout import DP_DIMS
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ and write a titan checkpoint back in Hugging Face's layout (titan-export).
 
 What this needs of the model (each parameter's HF tensor name, which rows are permuted, the
 config.json values that describe the same model) comes from the artifact's manifest, the
-record (runtime/hf_record.py) that the model's spec wrote at build time: the runtime never
+record (runtime/contract/hf_record.py) that the model's spec wrote at build time: the runtime never
 imports model code.
 
 Only JSON (config.json, model.safetensors.index.json) and safetensors headers and slices are
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from titan.runtime.hf_record import HFRecord, hf_record
+from titan.runtime.contract.hf_record import HFRecord, hf_record
 from titan.runtime.init import pad_shard
 from titan.runtime.shards import ShardBox, shard_box
 

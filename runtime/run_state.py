@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan.runtime import checkpoint
+from titan.runtime.contract.hf_record import RECORD, hf_record
 from titan.runtime.data import check_token_file
-from titan.runtime.hf_record import RECORD, hf_record
 from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.init import materialize
 

@@ -6,7 +6,7 @@ parts hold fewer rows, or none. Every rank keeps a full chunk (the padded local 
 rows it really holds come first, zeros pad the rest, and collectives see equal sizes on every
 rank. When every cut divides its dim, nothing is padded.
 
-No torch import: the artifact checks (runtime/validate.py) use this too.
+No torch import: the artifact checks (runtime/contract/checks.py) use this too.
 """
 
 from __future__ import annotations

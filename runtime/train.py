@@ -17,12 +17,12 @@ from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.data import SyntheticTokens, TokenFile
 from titan.runtime.fusion import compile_program_regions
 from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
-from titan.runtime.graph_format import load_graph, region_kinds
+from titan.runtime.contract.graph_decode import load_graph, region_kinds
 from titan.runtime.init import materialize
-from titan.runtime.layout import Layout, group_names
+from titan.runtime.contract.layout import Layout, group_names
 from titan.runtime.optim import AdamW
 from titan.runtime.step_log import StepLog
-from titan.runtime.validate import check_rank
+from titan.runtime.contract.checks import check_rank
 
 
 @dataclass(kw_only=True, slots=True)

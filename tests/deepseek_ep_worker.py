@@ -26,14 +26,14 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from titan.builder.graph_writer import encode_graph
+from titan.runtime.contract.graph_encode import encode_graph
 from titan.builder.models.deepseek_v3.config import FLAVORS
 from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param, set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.builder.checkpointing import tag_activation_checkpointing
 from titan.builder.models.deepseek_v3 import SPEC
 from titan.builder.trace import copy_graph_module, module_provenance
-from titan.runtime.graph_format import load_graph
+from titan.runtime.contract.graph_decode import load_graph
 
 
 class Step:

@@ -119,7 +119,7 @@ def test_spec_initializes_every_parameter_of_each_flavor(flavor):
 
 
 def test_spec_refuses_layouts_it_cannot_build():
-    from titan.runtime.layout import Layout
+    from titan.runtime.contract.layout import Layout
 
     SPEC.check_layout(CFG, Layout(dp_shard=2))
     with pytest.raises(ValueError, match="no tensor-parallel plan yet; build it with --tp 1"):
@@ -130,7 +130,7 @@ def test_spec_refuses_layouts_it_cannot_build():
 
 def test_graph_reader_resolves_the_grouped_gemm_without_model_code():
     """A runtime process (no builder or model import) can load graphs that call titan::grouped_mm."""
-    code = ("import sys; from titan.runtime.graph_format import resolve_target; "
+    code = ("import sys; from titan.runtime.contract.graph_decode import resolve_target; "
             "print(resolve_target('titan.grouped_mm.default')); "
             "assert not [m for m in sys.modules if m.startswith('titan.builder')]")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

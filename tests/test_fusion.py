@@ -75,7 +75,7 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
 
 def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact):
     from titan.runtime.artifact import open_artifact
-    from titan.runtime.graph_doc import read_doc
+    from titan.runtime.contract.graph_doc import read_doc
 
     def regions(art):
         a = open_artifact(art, check_torch=False)
@@ -95,8 +95,8 @@ def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact
 def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eager_on_cpu(debug_artifact, tmp_path):
     from titan.builder.regions import EXACT_OPS
     from titan.runtime.artifact import open_artifact
-    from titan.runtime.graph_doc import read_doc
-    from titan.runtime.graph_format import resolve_target, target_name
+    from titan.runtime.contract.graph_decode import resolve_target, target_name
+    from titan.runtime.contract.graph_doc import read_doc
 
     allowed = {target_name(op) for op in EXACT_OPS}
     seen = set()

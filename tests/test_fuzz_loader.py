@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from titan.runtime.artifact import open_artifact
-from titan.runtime.graph_format import load_graph
+from titan.runtime.contract.graph_decode import load_graph
 from titan.runtime.train import GraphProgram
 
 EXAMPLES = int(os.environ.get("TITAN_FUZZ_EXAMPLES", "30"))

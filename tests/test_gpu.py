@@ -14,7 +14,7 @@ from conftest import read_metrics, titan
 @pytest.mark.gpu(count=1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_op_matches_sdpa_on_cuda(dtype):
-    import titan.runtime.ops  # noqa: F401
+    import titan.runtime.contract.ops  # noqa: F401
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=dtype, generator=g, requires_grad=True)
@@ -32,7 +32,7 @@ def test_attention_op_matches_sdpa_on_cuda(dtype):
 
 @pytest.mark.gpu(count=1)
 def test_cudnn_attention_matches_flash_attention_values_and_layouts():
-    from titan.runtime import ops
+    from titan.runtime.contract import ops
 
     g = torch.Generator(device="cuda").manual_seed(0)
     # As the model calls it: q, k, v and the output's gradient are transposes of (b, s, h, d).

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import torch
 
-from titan.runtime.graph_format import VERSION, GraphFormatError, load_graph
+from titan.runtime.contract.graph_decode import VERSION, GraphFormatError, load_graph
 
 
 def _blob(nodes, **extra) -> bytes:
@@ -75,8 +75,8 @@ def test_ops_titan_never_emits_are_refused_even_if_safe_looking(target):
 
 def test_allow_list_has_no_memory_unsafe_op_and_covers_every_op_titan_builds(debug_artifact):
     from titan.runtime.artifact import open_artifact
-    from titan.runtime.graph_doc import read_doc
-    from titan.runtime.op_allowlist import ALLOWED_OPS
+    from titan.runtime.contract.graph_doc import read_doc
+    from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 
     assert not {op for op in ALLOWED_OPS if "_unsafe_" in op} - {"aten._unsafe_view.default"}
     assert not {op for op in ALLOWED_OPS if op.split(".")[1] in ("as_strided", "set_", "from_file", "resize_")}

@@ -1,8 +1,8 @@
-"""The one parallel layout (runtime/layout.py) that builder and runtime share."""
+"""The one parallel layout (runtime/contract/layout.py) that builder and runtime share."""
 
 from __future__ import annotations
 
-from titan.runtime.layout import Layout
+from titan.runtime.contract.layout import Layout
 
 
 def test_ranks_are_row_major_over_the_mesh_with_tp_innermost():

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import assert_every_rank_equals_eager, titan
-from titan.runtime.layout import Layout
 from titan.builder.program import NotOneProgram, Trace, one_program, probe_ranks
 from titan.runtime.artifact import open_artifact
-from titan.runtime.graph_doc import FORMAT, VERSION, GraphFormatError, read_doc
-from titan.runtime.graph_format import load_graph, region_kinds
-from titan.runtime.program import BIND, bind_value
+from titan.runtime.contract.bindings import BIND, bind_value
+from titan.runtime.contract.graph_decode import load_graph, region_kinds
+from titan.runtime.contract.graph_doc import FORMAT, VERSION, GraphFormatError, read_doc
+from titan.runtime.contract.layout import Layout
 
 
 def _bound(value, coords: dict[str, int]):

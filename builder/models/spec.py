@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 if TYPE_CHECKING:
     from torch import nn
 
-    from titan.runtime.hf_record import HFRecord
-    from titan.runtime.layout import Layout
+    from titan.runtime.contract.hf_record import HFRecord
+    from titan.runtime.contract.layout import Layout
 
 
 class ModelConfig(Protocol):

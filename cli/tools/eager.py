@@ -11,7 +11,7 @@ from torch import nn
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.parallelize import ParamShard, parallelize
 from titan.runtime.init import materialize
-from titan.runtime.layout import Layout
+from titan.runtime.contract.layout import Layout
 
 
 def materialize_shards(model: nn.Module, shards: list[ParamShard], specs: dict[str, dict], *, seed: int,

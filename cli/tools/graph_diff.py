@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 
 from titan.runtime.artifact import Artifact
-from titan.runtime.graph_doc import read_doc
-from titan.runtime.program import BIND, bind_value
+from titan.runtime.contract.bindings import BIND, bind_value
+from titan.runtime.contract.graph_doc import read_doc
 
 CATEGORIES = ("manifest", "rank metadata", "static inputs", "bucket plan", "op targets", "inserted", "removed",
               "constants", "bindings", "shapes", "collectives", "wiring")

@@ -4,8 +4,8 @@ inputs and outputs named from the rank metadata. Reads graph documents only (no 
 from __future__ import annotations
 
 from titan.runtime.artifact import Artifact
-from titan.runtime.graph_doc import read_doc
-from titan.runtime.program import BIND, bind_value
+from titan.runtime.contract.bindings import BIND, bind_value
+from titan.runtime.contract.graph_doc import read_doc
 
 _C10D = "_c10d_functional."
 

@@ -13,7 +13,7 @@ from titan.builder.layout import require_divides
 from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config
 from titan.builder.models.deepseek_v3.init import init_specs
 from titan.builder.models.spec import ModelSpec, lazy
-from titan.runtime.layout import Layout
+from titan.runtime.contract.layout import Layout
 
 
 def _tp_plan(model) -> dict:

@@ -20,7 +20,7 @@ equal splits, and the real counts travel on the device beside the rows:
   expert); the dropped count is computed on the device and reported after the step.
 
 Everything here is sort, searchsorted, gather and where on the device, and the experts run as
-grouped GEMMs (`titan::grouped_mm`, runtime/grouped_mm.py) driven by device offsets: traced
+grouped GEMMs (`titan::grouped_mm`, runtime/contract/grouped_mm.py) driven by device offsets: traced
 graphs have static shapes and no `.item()`, `.tolist()`, `nonzero` or host copies.
 """
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from titan.runtime.grouped_mm import grouped_mm
+from titan.runtime.contract.grouped_mm import grouped_mm
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -14,7 +14,7 @@ from torch import nn
 from titan.builder.models.decoder import RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
 from titan.builder.models.deepseek_v3.moe import MoE
-from titan.runtime.ops import causal_attention
+from titan.runtime.contract.ops import causal_attention
 
 
 def rope_tables(seq_len: int, cfg: DeepSeekV3Config, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,14 @@
 """Llama 3 as a Hugging Face LlamaForCausalLM: the tensor name of each parameter, the q/k rows
 stored in HF's rotate-half order, and the config.json values that describe the same model.
 
-The builder writes this record (runtime/hf_record.py) into the manifest; runtime/hf_weights.py
+The builder writes this record (runtime/contract/hf_record.py) into the manifest; runtime/hf_weights.py
 reads checkpoints (--init-from-hf) and titan-export writes them from it alone.
 """
 
 from __future__ import annotations
 
 from titan.builder.models.llama3.config import LlamaConfig
-from titan.runtime.hf_record import HFRecord
+from titan.runtime.contract.hf_record import HFRecord
 
 _BLOCK_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from titan.builder.layout import require_divides
 from titan.builder.models.llama3.config import LlamaConfig
-from titan.runtime.layout import Layout
+from titan.runtime.contract.layout import Layout
 
 
 def check_layout(cfg: LlamaConfig, layout: Layout) -> None:

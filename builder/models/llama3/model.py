@@ -12,7 +12,7 @@ from torch import nn
 
 from titan.builder.models.decoder import RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.llama3.config import LlamaConfig
-from titan.runtime.ops import causal_attention
+from titan.runtime.contract.ops import causal_attention
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:

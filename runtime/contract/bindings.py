@@ -7,7 +7,7 @@ never from anything the artifact says about the rank. Every bound value is range
 
 from __future__ import annotations
 
-from titan.runtime.graph_doc import MAX_ELEMENTS, GraphFormatError
+from titan.runtime.contract.graph_doc import MAX_ELEMENTS, GraphFormatError
 
 BIND = "$bind"
 # Mesh dimensions that cut parameter slices, in the order the slices apply (tensor-parallel

@@ -23,7 +23,7 @@ ALLOWED_OPS: frozenset[str] = frozenset({
     "_c10d_functional.all_reduce.default",
     "_c10d_functional.reduce_scatter_tensor.default",
     "_c10d_functional.wait_tensor.default",
-    # attention, dispatched per device (runtime/ops.py)
+    # attention, dispatched per device (runtime/contract/ops.py)
     "titan.attention.default",
     "titan.attention_backward.default",
     # matmul, loss, embedding

@@ -8,8 +8,8 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from titan.runtime.graph_doc import MAX_ELEMENTS
-from titan.runtime.layout import MESH_DIMS, Layout
+from titan.runtime.contract.graph_doc import MAX_ELEMENTS
+from titan.runtime.contract.layout import MESH_DIMS, Layout
 from titan.runtime.shards import shard_box
 
 if TYPE_CHECKING:

@@ -12,11 +12,11 @@ Values are msgpack scalars, lists, or one-key maps for what msgpack lacks:
     {"$device": "local"}   the device the graph runs on
     {"$group": s}    the process group of mesh dimension s (e.g. "tp"), bound at load
     {"$bind": {"base": b, "coef": {dim: a, ...}}}   an integer bound at load from the loading
-                     rank's mesh coordinates: b + sum(a * coordinate[dim]) (runtime/program.py)
+                     rank's mesh coordinates: b + sum(a * coordinate[dim]) (runtime/contract/bindings.py)
 `val` describes a node's result: {"shape", "stride", "dtype"} for a tensor, a list of those
 for a tuple, {"int": n} for an integer, or null. Tensor constants (get_attr targets) are a
 safetensors document embedded as bytes. Call targets are "<namespace>.<op>.<overload>" from the
-explicit op allow-list (runtime/op_allowlist.py), or "getitem"; anything else is refused, so
+explicit op allow-list (runtime/contract/op_allowlist.py), or "getitem"; anything else is refused, so
 loading runs no code. A node may carry "region": "<kind>#<n>", a fusion region tag, only of the
 kinds the artifact's fusion pass makes (REGION_KINDS): a tag decides whether kernels are loaded.
 """
@@ -31,9 +31,9 @@ import safetensors.torch
 import torch
 import torch.fx as fx
 
-from titan.runtime.graph_doc import FORMAT, MAX_ELEMENTS, VERSION, GraphFormatError, read_doc  # noqa: F401
-from titan.runtime.op_allowlist import ALLOWED_OPS
-from titan.runtime.program import BIND, bind_value
+from titan.runtime.contract.bindings import BIND, bind_value
+from titan.runtime.contract.graph_doc import FORMAT, MAX_ELEMENTS, VERSION, GraphFormatError, read_doc  # noqa: F401
+from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 
 # A fusion region tag: "<kind>#<n>"; runtime/fusion.py compiles each region.
 REGION = re.compile(r"([a-z_]{1,16})#\d{1,6}")
@@ -75,7 +75,7 @@ def resolve_target(name: str) -> Callable:
         raise GraphFormatError(f"op {str(name)[:120]!r} is not on titan's op allow-list (graph format {VERSION})")
     ns, op, overload = name.split(".")
     if ns == "titan":
-        import titan.runtime.ops  # noqa: F401  (registers the titan:: ops)
+        import titan.runtime.contract.ops  # noqa: F401  (registers the titan:: ops)
     try:
         packet = getattr(getattr(torch.ops, ns), op)
         return getattr(packet, overload)

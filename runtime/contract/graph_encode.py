@@ -1,4 +1,4 @@
-"""Write an FX graph in the titan graph format (spec and reader: titan.runtime.graph_format).
+"""Write an FX graph in the titan graph format (spec and reader: titan.runtime.contract.graph_decode).
 
 Canonicalizes on the way: process-group names become mesh-dimension names and devices become
 "local", so ranks whose graphs differ only in those write identical bytes.
@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 import torch.fx as fx
 
-from titan.runtime.graph_format import FORMAT, VERSION, target_name
+from titan.runtime.contract.graph_decode import FORMAT, VERSION, target_name
 
 _C10D_NS = "_c10d_functional"
 
