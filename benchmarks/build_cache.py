@@ -9,7 +9,6 @@ and the median wall time of titan-build on a hit (a whole process, as a user run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -17,6 +16,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from titan.runtime.artifact import open_artifact
 
 DEFAULT_LAYOUTS = ["debug --tp 2 --dp-shard 2", "8B --tp 4"]
 
@@ -43,9 +44,9 @@ def main() -> None:
             cache, out = Path(tmp) / "cache", Path(tmp) / "art"
             cold = timed_build(args, out, cache)
             hits = [timed_build(args, out, cache) for _ in range(opts.hits)]
-            manifest = json.loads((out / "manifest.json").read_text())
-            graphs = sum(rel.startswith("graphs/") for rel in manifest["files"])
-            rows.append((layout, manifest["world_size"], graphs, 2 * manifest["world_size"], cold,
+            manifest = open_artifact(out).manifest
+            graphs = sum(rel.startswith("graphs/") for rel in manifest.files)
+            rows.append((layout, manifest.world_size, graphs, 2 * manifest.world_size, cold,
                          statistics.median(hits)))
     print(f"{'layout':<28}{'ranks':>6}{'graph blobs':>13}{'(undeduped)':>13}{'cold s':>9}{'hit s':>8}")
     for layout, ranks, graphs, naive, cold, hit in rows:

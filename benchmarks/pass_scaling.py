@@ -48,7 +48,7 @@ def pass_seconds(n_layers: int) -> tuple[int, dict[str, float]]:
             inputs = [trace._desc_input(n.meta["desc"]) for n in gm.graph.nodes if n.op == "placeholder"]
             fw, bw = trace.PARTITION_FNS["min_cut"](trace.copy_graph_module(gm), None, num_fwd_outputs=1)
             groups = mesh_dims_by_group(mesh)
-            names = [i.get("fqn") for i in inputs if i["kind"] != "tangent"]
+            names = [i.fqn for i in inputs if i.kind != "tangent"]
             fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=names, output_names=[])
             bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[], output_names=names)
             nodes = len(fw.graph.nodes) + len(bw.graph.nodes)

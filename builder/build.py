@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,9 +29,11 @@ from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes import check_passes, default_passes
 from titan.runtime import interrupt
-from titan.runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, ArtifactError, installed_torch_version
+from titan.runtime.artifact import ArtifactError, installed_torch_version
 from titan.runtime.contract.hf_record import RECORD
 from titan.runtime.contract.layout import Layout
+from titan.runtime.contract.manifest import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, Manifest
+from titan.runtime.contract.rank_record import RankRecord
 
 # Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
 DEFAULT_SHAPE = {"debug": (2, 128)}
@@ -170,7 +172,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
 
 @dataclass(kw_only=True)
 class BuildOutcome:
-    manifest: dict
+    manifest: Manifest
     """The exported artifact's manifest."""
     key: str
     """Cache key of the build."""
@@ -238,13 +240,11 @@ def _stop_workers() -> None:
             time.sleep(0.05)
 
 
-_GRAPH_KEYS = ("forward_graph", "backward_graph")
-
-
 def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:
     """Keep a traced rank in the cache, so that a killed build resumes without tracing it again."""
     fw, bw = cache.put_blob(res.forward), cache.put_blob(res.backward)
-    meta_sha = cache.put_blob(json.dumps(dict(res.meta, forward_graph=fw, backward_graph=bw), indent=1).encode())
+    meta_sha = cache.put_blob(json.dumps(replace(res.meta, forward_graph=fw, backward_graph=bw).to_json(),
+                                         indent=1).encode())
     cache.put_rank(rank_key, {"factors": factors, "rank": res.rank, "forward": fw, "backward": bw,
                               "meta": meta_sha, "timings": res.timings})
 
@@ -259,17 +259,16 @@ def _hf_record(spec: BuildSpec) -> dict | None:
 def _cached_trace(cache: Cache, record: dict):
     from titan.builder.program import Trace
 
-    meta = json.loads(cache.read_blob(record["meta"]))
+    meta = RankRecord.from_json(json.loads(cache.read_blob(record["meta"])), f"cached rank {record['rank']}")
     return Trace(rank=record["rank"], forward=cache.read_blob(record["forward"]),
-                 backward=cache.read_blob(record["backward"]),
-                 meta={k: v for k, v in meta.items() if k not in _GRAPH_KEYS})
+                 backward=cache.read_blob(record["backward"]), meta=replace(meta, forward_graph=None, backward_graph=None))
 
 
 def _store_program(cache: Cache, program) -> dict:
     """A program's blobs; its metadata names its graphs, so a manifest that pairs them
     otherwise is refused at load."""
     fw, bw = cache.put_blob(program.forward), cache.put_blob(program.backward)
-    meta = dict(program.meta, forward_graph=fw, backward_graph=bw)
+    meta = replace(program.meta, forward_graph=fw, backward_graph=bw).to_json()
     return {"forward": fw, "backward": bw, "meta": cache.put_blob(json.dumps(meta, indent=1).encode()),
             "bindings": program.bindings}
 
@@ -445,7 +444,7 @@ def check_replaceable(spec: BuildSpec, out: Path) -> None:
                          "or --out DIR to write this one elsewhere")
 
 
-def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
+def export_artifact(cache: Cache, entry: dict, out: Path) -> Manifest:
     """Copy an entry's blobs into a self-contained artifact directory (written beside `out`,
     then moved into place), so that it runs on a machine without the cache."""
     out = out.resolve()
@@ -473,9 +472,11 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> dict:
                      "backward": put(f"graphs/{p['backward']}.tgraph", p["backward"])}
                     for p in entry["programs"]]
         kernels = export_kernels(cache, entry.get("kernels", {}), tmp, files)
-        manifest = dict(entry["manifest"], name=out.name, cache_key=entry["key"], programs=programs,
-                        rank_programs=entry["rank_programs"], files=files, **({"kernels": kernels} if kernels else {}))
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        # The build's fields (recorded in its cache entry) and this copy's files, checked as
+        # the runtime will check them.
+        manifest = Manifest.from_json(dict(entry["manifest"], name=out.name, cache_key=entry["key"], programs=programs,
+                                           rank_programs=entry["rank_programs"], files=files, kernels=kernels), out)
+        (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1))
         with interrupt.deferred():  # the old artifact or the new one at `out`, never neither
             if out.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))

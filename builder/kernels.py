@@ -13,11 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan.builder.cache import Cache
+from titan.runtime.contract.manifest import Manifest
 
 
-def compile_kernels(cache: Cache, entry: dict) -> tuple[dict[str, str], object]:
-    """Compile (or load from the kernel store) every region of the entry's distinct graphs on
-    cuda:0; returns (kernel key -> sha256, FusionStats)."""
+def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict[str, str], object]:
+    """Compile (or load from the kernel store) every region of the entry's distinct graphs (built
+    for `manifest`, the artifact exported from it) on cuda:0; returns (kernel key -> sha256,
+    FusionStats)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -29,10 +31,9 @@ def compile_kernels(cache: Cache, entry: dict) -> tuple[dict[str, str], object]:
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
-    manifest = entry["manifest"]
-    regions = region_kinds(manifest["passes"])
+    regions = region_kinds(manifest.passes)
     # Regions hold no collectives: the groups only need names to decode.
-    groups = {name: f"titan-build-{name}" for name, _ in manifest["mesh"]}
+    groups = {name: f"titan-build-{name}" for name, _ in manifest.layout.mesh_shape()}
     sources = KernelSources(device=device, store=KernelStore(cache.root / "kernels"))
     stats, memo, seen = FusionStats(), {}, set()
     for rank_key in entry["ranks"]:
@@ -48,17 +49,18 @@ def compile_kernels(cache: Cache, entry: dict) -> tuple[dict[str, str], object]:
     return sources.recorded, stats
 
 
-def add_kernels(cache: Cache, key: str, out: Path) -> tuple[dict, object]:
-    """Compile the entry's kernels, record them in the entry and re-export the artifact;
-    returns (manifest, FusionStats)."""
+def add_kernels(cache: Cache, key: str, out: Path) -> tuple[Manifest, object]:
+    """Compile the entry's kernels, record them in the entry and re-export the artifact (built
+    from the entry at `out`); returns (manifest, FusionStats)."""
     from titan.builder.build import export_artifact
+    from titan.runtime.artifact import open_artifact
 
     lock = cache.lock(key)
     try:
         entry, why = cache.get_entry(key)
         if entry is None:
             raise ValueError(f"the build's cache entry is gone ({why}); build again")
-        kernels, stats = compile_kernels(cache, entry)
+        kernels, stats = compile_kernels(cache, entry, open_artifact(out, check_torch=False).manifest)
         entry = dict(entry, kernels=dict(entry.get("kernels", {}), **kernels))
         cache.put_entry(key, entry)
         return export_artifact(cache, entry, out), stats

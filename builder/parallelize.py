@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.runtime.init import shard_of
 from titan.runtime.contract.layout import DP_DIMS, Layout
+from titan.runtime.contract.rank_record import ParamSpec
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,6 +41,11 @@ class ParamShard:
     slices: tuple[tuple[int, int, int], ...]
     """(dim, parts, index) applied in order to the global tensor to cut this shard
     (runtime/shards.py `shard_box`)."""
+
+    def spec(self, init: dict) -> ParamSpec:
+        """This shard's entry in the artifact's parameter table, drawn by `init` (an init spec)."""
+        return ParamSpec(fqn=self.fqn, global_shape=tuple(self.global_shape), local_shape=tuple(self.local_shape),
+                         placements=self.placements, slices=tuple(tuple(x) for x in self.slices), init=init)
 
 
 def _placement_str(p) -> str:

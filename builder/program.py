@@ -22,13 +22,14 @@ program: every rank is traced, and ranks with identical traces share one program
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 
-from titan.runtime.contract.bindings import BIND, SLICE_DIMS
-from titan.runtime.contract.graph_doc import read_doc
+from titan.runtime.contract.bindings import SLICE_DIMS
+from titan.runtime.contract.graph_doc import BIND, read_doc
 from titan.runtime.contract.layout import Layout
+from titan.runtime.contract.rank_record import RankRecord
 
 
 class NotOneProgram(Exception):
@@ -42,7 +43,7 @@ class Trace:
     rank: int
     forward: bytes
     backward: bytes
-    meta: dict
+    meta: RankRecord
 
 
 @dataclass(kw_only=True)
@@ -51,7 +52,7 @@ class Program:
     """Forward graph blob (with bindings)."""
     backward: bytes
     """Backward graph blob (with bindings)."""
-    meta: dict
+    meta: RankRecord
     """Program metadata: the rank metadata with slice indices named by their mesh dimension."""
     bindings: int
     """Number of bound values in the two graphs."""
@@ -137,32 +138,33 @@ class _Unifier:
         return msgpack.packb(dict(first, nodes=nodes), use_bin_type=True)
 
 
-def program_meta(meta: dict, layout: Layout) -> dict:
+def program_meta(meta: RankRecord, layout: Layout) -> RankRecord:
     """A rank's metadata without what only names the rank: its rank and coordinates, and the
     index of each parameter slice, replaced by the mesh dimension whose coordinate it is
     (checked: a slice that is not this rank's coordinate stops the program)."""
-    coords = layout.coordinates(meta["rank"])
+    coords = layout.coordinates(meta.rank)
     sizes = dict(layout.mesh_shape())
     params = []
-    for p in meta["params"]:
-        dims = [d for d in SLICE_DIMS if p["placements"].get(d, "R").startswith("S")]
-        if len(dims) != len(p["slices"]):
-            raise NotOneProgram(f"parameter {p['fqn']}: slices {p['slices']} do not follow its placements")
+    for p in meta.params:
+        dims = [d for d in SLICE_DIMS if p.placements.get(d, "R").startswith("S")]
+        if len(dims) != len(p.slices):
+            raise NotOneProgram(f"parameter {p.fqn}: slices {[list(s) for s in p.slices]} do not follow its "
+                                "placements")
         slices = []
-        for (dim, parts, index), name in zip(p["slices"], dims):
+        for (dim, parts, index), name in zip(p.slices, dims):
             if parts != sizes[name] or index != coords[name]:
-                raise NotOneProgram(f"parameter {p['fqn']}: slice {[dim, parts, index]} is not cut by the "
+                raise NotOneProgram(f"parameter {p.fqn}: slice {[dim, parts, index]} is not cut by the "
                                     f"{name} coordinate")
-            slices.append([dim, parts, name])
-        params.append(dict(p, slices=slices))
-    return dict({k: v for k, v in meta.items() if k not in ("rank", "coords")}, params=params)
+            slices.append((dim, parts, name))
+        params.append(replace(p, slices=tuple(slices)))
+    return replace(meta, rank=None, coords=None, params=tuple(params))
 
 
 def one_program(layout: Layout, probes: list[Trace]) -> Program:
     """The program of every rank, from the probe ranks' traces; NotOneProgram if they differ
     in more than coordinate bindings."""
     metas = [program_meta(t.meta, layout) for t in probes]
-    if any(not _same(m, metas[0]) for m in metas[1:]):
+    if any(not _same(m.to_json(), metas[0].to_json()) for m in metas[1:]):
         raise NotOneProgram("the probe ranks' metadata differs beyond their coordinates")
     unifier = _Unifier(layout, probes)
     forward = unifier.graph([t.forward for t in probes], "forward")
@@ -178,7 +180,7 @@ def program_classes(layout: Layout, traces: list[Trace]) -> tuple[list[Program],
     assignment = []
     for t in sorted(traces, key=lambda t: t.rank):
         meta = program_meta(t.meta, layout)
-        key = (t.forward, t.backward, msgpack.packb(meta))
+        key = (t.forward, t.backward, msgpack.packb(meta.to_json()))
         if key not in index:
             index[key] = len(programs)
             programs.append(Program(forward=t.forward, backward=t.backward, meta=meta, bindings=0))

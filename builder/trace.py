@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from titan.builder.passes import PASSES, PassContext
 from titan.builder.rank_progress import report
 from titan.runtime.contract.graph_encode import encode_graph
 from titan.runtime.contract.layout import mesh_dims_by_group
+from titan.runtime.contract.rank_record import GraphInput, RankRecord
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
@@ -44,19 +45,20 @@ class RankResult:
     rank: int
     forward: bytes
     backward: bytes
-    meta: dict
+    meta: RankRecord
     timings: dict = field(default_factory=dict)
 
 
-def _desc_input(desc) -> dict:
-    """Describe a joint-graph placeholder from its AOT descriptor."""
+def _desc_input(desc) -> GraphInput:
+    """Describe a joint-graph placeholder from its AOT descriptor (kind "tangent": the
+    backward's, which the partitioner leaves out of the forward's inputs)."""
     name = type(desc).__name__
     if name == "ParamAOTInput":
-        return {"kind": "param", "fqn": desc.target}
+        return GraphInput(kind="param", fqn=desc.target)
     if name == "PlainAOTInput":
-        return {"kind": ("tokens", "labels")[desc.idx]}
+        return GraphInput(kind=("tokens", "labels")[desc.idx])
     if name == "TangentAOTInput":
-        return {"kind": "tangent"}
+        return GraphInput(kind="tangent")
     raise ValueError(f"unexpected graph input {desc}")
 
 
@@ -135,7 +137,7 @@ def trace_rank(job: RankJob) -> RankResult:
             fw, bw = PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=1)
             t_partition = time.perf_counter()
             groups = mesh_dims_by_group(mesh)
-            param_names = [inp.get("fqn") for inp in joint_inputs if inp["kind"] != "tangent"]
+            param_names = [inp.fqn for inp in joint_inputs if inp.kind != "tangent"]
             fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=param_names,
                                  output_names=[])
             bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[],
@@ -148,7 +150,7 @@ def trace_rank(job: RankJob) -> RankResult:
         fw_blob = encode_graph(fw, group_names=groups)
         bw_blob = encode_graph(bw, group_names=groups)
         meta = _rank_meta(job, family.init_specs(build.cfg), coords, shards, joint_inputs, fw, bw)
-        meta["bucket_plan"] = fw_ctx.plan + bw_ctx.plan
+        meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan))
         t_end = time.perf_counter()
     finally:
         if dist.is_initialized():
@@ -164,10 +166,10 @@ def _nbytes(val) -> int:
     return 0
 
 
-def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint_inputs: list[dict],
-               fw: fx.GraphModule, bw: fx.GraphModule) -> dict:
+def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint_inputs: list[GraphInput],
+               fw: fx.GraphModule, bw: fx.GraphModule) -> RankRecord:
     by_fqn = {s.fqn: s for s in shards}
-    fw_inputs = [inp for inp in joint_inputs if inp["kind"] != "tangent"]
+    fw_inputs = [inp for inp in joint_inputs if inp.kind != "tangent"]
     n_fw_in = sum(1 for n in fw.graph.nodes if n.op == "placeholder")
     assert n_fw_in == len(fw_inputs), (n_fw_in, len(fw_inputs))
     fw_outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
@@ -176,26 +178,12 @@ def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint
     assert len(bw_in) == n_saved + 1 and bw_in[-1].name.startswith("tangents"), [n.name for n in bw_in[-3:]]
     bw_outputs = next(n for n in bw.graph.nodes if n.op == "output").args[0]
     assert len(bw_outputs) == len(fw_inputs)
-    params = []
-    for inp in fw_inputs:
-        if inp["kind"] != "param":
-            continue
-        s = by_fqn[inp["fqn"]]
-        params.append({"fqn": s.fqn, "global_shape": list(s.global_shape), "local_shape": list(s.local_shape),
-                       "placements": s.placements, "slices": [list(x) for x in s.slices],
-                       "init": specs[s.fqn], "dtype": "float32"})
-    grads = [inp.get("fqn") if inp["kind"] == "param" else None for inp in fw_inputs]
+    params = tuple(by_fqn[inp.fqn].spec(specs[inp.fqn]) for inp in fw_inputs if inp.kind == "param")
+    grads = tuple(inp.fqn if inp.kind == "param" else None for inp in fw_inputs)
     for fqn, out in zip(grads, bw_outputs):
         assert (fqn is None) == (out is None), f"gradient presence mismatch for {fqn}"
-    return {
-        "rank": job.rank,
-        "coords": coords,
-        "params": params,
-        "forward_inputs": fw_inputs,
-        "static_input_indices": [i for i, inp in enumerate(fw_inputs) if inp["kind"] == "param"],
-        "saved_activations": n_saved,
-        "saved_bytes": sum(_nbytes(v.meta.get("val")) for v in fw_outputs[1:]),
-        "backward_outputs": grads,
-        # Every data- and tensor-parallel reduction is inside the backward graph.
-        "grad_reductions_owed": {},
-    }
+    # Every data- and tensor-parallel reduction is inside the backward graph (grad_reductions_owed {}).
+    return RankRecord(rank=job.rank, coords=coords, params=params, forward_inputs=tuple(fw_inputs),
+                      static_input_indices=tuple(i for i, inp in enumerate(fw_inputs) if inp.kind == "param"),
+                      saved_activations=n_saved, saved_bytes=sum(_nbytes(v.meta.get("val")) for v in fw_outputs[1:]),
+                      backward_outputs=grads)

@@ -82,10 +82,10 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     def progress(res):
         t = res.timings
         meta = res.meta
-        state = sum(math.prod(p["local_shape"]) for p in meta["params"]) * 16  # fp32 param, grad, 2 AdamW moments
+        state = sum(math.prod(p.local_shape) for p in meta.params) * 16  # fp32 param, grad, 2 AdamW moments
         shown.rank_done(f"  rank {res.rank}: done: traced in {t['export_s']:.1f} s, partitioned in "
-                        f"{t['partition_s']:.1f} s, passes {t['passes_s']:.1f} s; memory: {meta['saved_activations']} "
-                        f"saved activations {meta['saved_bytes'] / 2**30:.2f} GiB + params/grads/AdamW "
+                        f"{t['partition_s']:.1f} s, passes {t['passes_s']:.1f} s; memory: {meta.saved_activations} "
+                        f"saved activations {meta.saved_bytes / 2**30:.2f} GiB + params/grads/AdamW "
                         f"{state / 2**30:.2f} GiB")
 
     cache = Cache(cache_dir)
@@ -114,9 +114,9 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     if kernels:
         from titan.builder.kernels import add_kernels
         manifest, stats = add_kernels(cache, outcome.key, out)
-        click.echo(f"kernels: {len(manifest.get('kernels', {}))} in the artifact; {stats.line()}")
-    size = sum((out / rel).stat().st_size for rel in manifest["files"])
-    programs = len(manifest["programs"])
+        click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
+    size = sum((out / rel).stat().st_size for rel in manifest.files)
+    programs = len(manifest.programs)
     if outcome.note:
         click.echo(f"note: the ranks are not one program ({outcome.note})")
     traced = f"traced {len(outcome.traced)} rank(s) into " if outcome.traced else ""

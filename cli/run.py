@@ -12,11 +12,15 @@ import importlib.util
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from titan.cli.errors import user_errors
 from titan.cli.options import LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, Command, NonEmptyPath
+
+if TYPE_CHECKING:
+    from titan.runtime.contract.manifest import Manifest
 
 
 @click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
@@ -89,9 +93,9 @@ def _announce(artifact: str, device: str):
     return art
 
 
-def run_start_key(manifest: dict, device: str) -> str:
+def run_start_key(manifest: Manifest, device: str) -> str:
     """Names a run's start-up time: the build and the --device asked for."""
-    return f"{manifest.get('cache_key', manifest.get('name'))}-{device}"
+    return f"{manifest.cache_key}-{device}"
 
 
 def launch(art, cfg, *, started: float) -> int:
@@ -99,7 +103,7 @@ def launch(art, cfg, *, started: float) -> int:
     from titan.runtime.run_state import RunState
 
     art.verify_all()
-    RunState(cfg, art.manifest, art.rank_meta(0)["params"]).close()  # the checks every rank makes, once
+    RunState(cfg, art.manifest, art.rank_record(0).params).close()  # the checks every rank makes, once
     if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         from titan.runtime.step_log import TENSORBOARD_HINT
         raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")

@@ -38,7 +38,7 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
         from titan.runtime import timings
         from titan.runtime.artifact import open_artifact
         art = open_artifact(artifact)
-        key = f"{art.manifest.get('cache_key', art.root.name)}-{steps}-{device}"
+        key = f"{art.manifest.cache_key}-{steps}-{device}"
         click.echo(f"titan-verify {art.root}: training {steps} step(s) eagerly and from the artifact on "
                    f"{art.world_size} rank(s), then comparing every loss and parameter{timings.expectation('verify', key)}")
         t0 = time.perf_counter()
@@ -52,7 +52,7 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
         exit_rank(_rank(artifact, cfg, json_path))
     art.verify_all()
     from titan.runtime.run_state import RunState
-    RunState(cfg, art.manifest, art.rank_meta(0)["params"]).close()  # the run's checks (--data), once
+    RunState(cfg, art.manifest, art.rank_record(0).params).close()  # the run's checks (--data), once
     from titan.runtime.launch import spawn_local
     code = spawn_local("titan.cli.verify", sys.argv[1:], art.world_size)
     if code in (0, 1):  # finished (equal or not)
@@ -92,7 +92,7 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
 def _numerics_changing_passes(artifact: str) -> list[str]:
     from titan.builder.passes import PASSES
     from titan.runtime.artifact import open_artifact
-    passes = open_artifact(artifact).manifest["passes"]
+    passes = open_artifact(artifact).manifest.passes
     return [p for p in passes if p in PASSES and not PASSES[p].preserves_numerics]
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.shards import shard_box
 
 STATE_FILE = "titan.json"
@@ -90,14 +91,14 @@ def read_state(step_dir: Path) -> dict:
     return state
 
 
-def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: list[dict]) -> None:
+def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: tuple[ParamSpec, ...]) -> None:
     """The checkpoint is of the artifact's model: same config, same parameters and global shapes."""
     if state.get("model_config") != model_config:
         theirs = state.get("model_config") or {}
         diff = [f"{k} {theirs.get(k)!r} (artifact: {v!r})" for k, v in model_config.items() if theirs.get(k) != v]
         raise ValueError(f"{step_dir} is a checkpoint of a different model: {', '.join(diff) or 'other fields'}; "
                          "resume with an artifact built for that model, or use another --checkpoint-dir")
-    shapes = {p["fqn"]: list(p["global_shape"]) for p in params}
+    shapes = {p.fqn: list(p.global_shape) for p in params}
     if state.get("params") != shapes:
         raise ValueError(f"{step_dir} holds other parameters or shapes than the artifact; resume with an "
                          "artifact built for that model, or use another --checkpoint-dir")
@@ -130,23 +131,23 @@ def check_fresh(root: str | os.PathLike) -> None:
                          "--resume to continue from it, or choose an empty --checkpoint-dir")
 
 
-def dcp_state(params: list[dict], tensors: list[torch.Tensor], optimizer) -> tuple[dict, dict]:
+def dcp_state(params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer) -> tuple[dict, dict]:
     """The DCP state dict over this rank's live tensors (saving reads them, loading fills them)
     and each entry's box in its global tensor."""
     state, boxes = {}, {}
     for meta, p, m, v in zip(params, tensors, optimizer.exp_avg, optimizer.exp_avg_sq):
-        fqn = meta["fqn"]
-        box = shard_box(meta["slices"], meta["global_shape"])
+        fqn = meta.fqn
+        box = shard_box(meta.slices, meta.global_shape)
         if box.empty:  # a trailing FSDP part with no real rows: nothing of this tensor to save or load
             continue
         for key, t in ((f"model.{fqn}", p), (f"optim.exp_avg.{fqn}", m), (f"optim.exp_avg_sq.{fqn}", v)):
             # Only the real rows (a view: loading fills the live tensor); padding stays zero.
             state[key] = t[box.local_index()] if box.padded else t
-            boxes[key] = (list(box.offsets), list(box.sizes), list(meta["global_shape"]))
+            boxes[key] = (list(box.offsets), list(box.sizes), list(meta.global_shape))
     return state, boxes
 
 
-def save(root: str | os.PathLike, step: int, *, params: list[dict], tensors: list[torch.Tensor], optimizer,
+def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer,
          description: dict) -> Path:
     """Collective: every rank calls it. Returns the complete step directory."""
     import torch.distributed.checkpoint as dcp
@@ -168,7 +169,7 @@ def save(root: str | os.PathLike, step: int, *, params: list[dict], tensors: lis
               storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
     if rank0:
         written = dict(description, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, step=step,
-                       optimizer_steps=optimizer.steps, params={p["fqn"]: list(p["global_shape"]) for p in params},
+                       optimizer_steps=optimizer.steps, params={p.fqn: list(p.global_shape) for p in params},
                        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(partial / STATE_FILE, "w") as f:
             json.dump(written, f, indent=1)

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan.runtime.contract.manifest import Manifest
+
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -132,14 +134,14 @@ def _windows(path: Path, tokens: int, seq_len: int) -> int:
     return windows
 
 
-def check_token_file(path: str | Path, *, dtype: str | None, manifest: dict, steps: int) -> list[str]:
+def check_token_file(path: str | Path, *, dtype: str | None, manifest: Manifest, steps: int) -> list[str]:
     """Refuse what is not a usable token file for this artifact; returns notes to print (that
     the run reads the file more than once)."""
     path = Path(path)
-    _, tokens = _token_count(path, dtype=dtype, vocab_size=manifest["model_config"]["vocab_size"])
-    seq_len, layout = manifest["seq_len"], manifest["layout"]
+    _, tokens = _token_count(path, dtype=dtype, vocab_size=manifest.vocab_size)
+    seq_len = manifest.seq_len
     windows = _windows(path, tokens, seq_len)
-    needed = steps * manifest["batch_size"] * layout["dp_replicate"] * layout["dp_shard"]
+    needed = steps * manifest.batch_size * manifest.dp_degree
     if needed > windows:
         return [f"note: --data {path} holds {windows:,} sequences of {seq_len + 1} tokens and {steps} steps read "
                 f"{needed:,}: the run goes over the file {needed / windows:.1f} times (from its start again each time)"]

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from titan.runtime.contract.hf_record import HFRecord, hf_record
+from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.init import pad_shard
 from titan.runtime.shards import ShardBox, shard_box
 
@@ -152,29 +153,29 @@ class HFCheckpoint:
             self._open[key] = self._safe_open(path).__enter__()
         return self._open[key].get_slice(name)
 
-    def check_shape(self, param: dict) -> str:
+    def check_shape(self, param: ParamSpec) -> str:
         """The HF name of `param`, after checking that its tensor has the parameter's global shape."""
-        name = self.names.get(param["fqn"])
+        name = self.names.get(param.fqn)
         if name is None:
-            raise ValueError(f"--init-from-hf: the artifact's hf_checkpoint record names no tensor for {param['fqn']}; "
+            raise ValueError(f"--init-from-hf: the artifact's hf_checkpoint record names no tensor for {param.fqn}; "
                              "rebuild the artifact with titan-build")
         shape = list(self._slice(name).get_shape())
-        if shape != list(param["global_shape"]):
+        if shape != list(param.global_shape):
             raise ValueError(f"--init-from-hf {self.root}: {name} has shape {shape} but the artifact's "
-                             f"{param['fqn']} is {param['global_shape']}; use the checkpoint of the model the "
+                             f"{param.fqn} is {list(param.global_shape)}; use the checkpoint of the model the "
                              "artifact was built for")
         return name
 
-    def read_shard(self, param: dict, *, device: torch.device) -> torch.Tensor:
+    def read_shard(self, param: ParamSpec, *, device: torch.device) -> torch.Tensor:
         """This rank's shard of `param` (artifact rank metadata), read as a box of the HF tensor."""
         name = self.check_shape(param)
-        hd = self.rope_permuted.get(param["fqn"])
-        if hd is not None and param["global_shape"][0] % hd:
-            raise ValueError(f"--init-from-hf: the artifact permutes rows of {param['fqn']} in heads of {hd}, which "
-                             f"do not divide its {param['global_shape'][0]} rows; rebuild the artifact with titan-build")
-        box = shard_box(param["slices"], param["global_shape"])
-        dtype = getattr(torch, param.get("dtype", "float32"))
-        return pad_shard(self._read_box(name, param["fqn"], box).to(device=device, dtype=dtype), box)
+        hd = self.rope_permuted.get(param.fqn)
+        if hd is not None and param.global_shape[0] % hd:
+            raise ValueError(f"--init-from-hf: the artifact permutes rows of {param.fqn} in heads of {hd}, which "
+                             f"do not divide its {param.global_shape[0]} rows; rebuild the artifact with titan-build")
+        box = shard_box(param.slices, param.global_shape)
+        dtype = getattr(torch, param.dtype)
+        return pad_shard(self._read_box(name, param.fqn, box).to(device=device, dtype=dtype), box)
 
     def _read_box(self, name: str, fqn: str, box: ShardBox) -> torch.Tensor:
         index = box.global_index()

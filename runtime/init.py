@@ -12,6 +12,7 @@ import hashlib
 
 import torch
 
+from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.shards import ShardBox, shard_box
 
 
@@ -56,8 +57,8 @@ def pad_shard(real: torch.Tensor, box: ShardBox) -> torch.Tensor:
     return local
 
 
-def materialize(param: dict, *, seed: int, device: torch.device) -> torch.Tensor:
-    full = full_param(param["init"], param["global_shape"], fqn=param["fqn"], seed=seed, device=device)
-    local = shard_of(full, param["slices"])
-    assert list(local.shape) == list(param["local_shape"]), (param["fqn"], local.shape, param["local_shape"])
+def materialize(param: ParamSpec, *, seed: int, device: torch.device) -> torch.Tensor:
+    full = full_param(param.init, list(param.global_shape), fqn=param.fqn, seed=seed, device=device)
+    local = shard_of(full, param.slices)
+    assert tuple(local.shape) == param.local_shape, (param.fqn, local.shape, param.local_shape)
     return local

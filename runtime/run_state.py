@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan.runtime import checkpoint
-from titan.runtime.contract.hf_record import RECORD, hf_record
+from titan.runtime.contract.hf_record import RECORD
 from titan.runtime.data import check_token_file
 from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.init import materialize
 
 if TYPE_CHECKING:
+    from titan.runtime.contract.manifest import Manifest
+    from titan.runtime.contract.rank_record import ParamSpec
     from titan.runtime.optim import AdamW
     from titan.runtime.train import RunConfig
 
@@ -39,7 +41,7 @@ class RunState:
     a run, made by every rank (spawned by titan-run or by torchrun) and by titan-run before it
     spawns them, so that a mistake is one line. Then serves the state hooks."""
 
-    def __init__(self, cfg: RunConfig, manifest: dict, params: list[dict], *, device: torch.device | None = None):
+    def __init__(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...], *, device: torch.device | None = None):
         self.cfg, self.manifest, self.params, self.device = cfg, manifest, params, device
         self.hf = None
         self.resume_from: Path | None = None
@@ -52,9 +54,9 @@ class RunState:
         except ValueError as e:
             raise RunOptionError(str(e)) from None
 
-    def _check(self, cfg: RunConfig, manifest: dict, params: list[dict]) -> None:
-        for flag, given, built in (("--batch-size", cfg.batch_size, manifest["batch_size"]),
-                                   ("--seq-len", cfg.seq_len, manifest["seq_len"])):
+    def _check(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...]) -> None:
+        for flag, given, built in (("--batch-size", cfg.batch_size, manifest.batch_size),
+                                   ("--seq-len", cfg.seq_len, manifest.seq_len)):
             if given is not None and given != built:
                 raise ValueError(f"{flag} {given} differs from the artifact's {built} (it shapes the graphs); "
                                  f"rebuild with titan-build {flag} {given}, or drop {flag}")
@@ -74,7 +76,7 @@ class RunState:
             self.resume_from = checkpoint.resolve_checkpoint(cfg.checkpoint_dir, flag="--resume --checkpoint-dir",
                                                           step_dir_ok=False)
             self.resumed = checkpoint.read_state(self.resume_from)
-            checkpoint.check_matches(self.resumed, self.resume_from, model_config=manifest["model_config"],
+            checkpoint.check_matches(self.resumed, self.resume_from, model_config=manifest.model_config,
                                      params=params)
             checkpoint.check_complete(self.resume_from)
             step = self.resumed["step"]
@@ -92,7 +94,7 @@ class RunState:
                 raise ValueError(f"--metrics {cfg.metrics} already holds an earlier run's steps (titan-run never "
                                  "truncates one); delete it or choose another file, or --resume that run")
         if cfg.init_from_hf is not None:
-            record = hf_record(manifest, f"--init-from-hf {cfg.init_from_hf}")
+            record = manifest.hf_record(f"--init-from-hf {cfg.init_from_hf}")
             self.hf = HFCheckpoint(cfg.init_from_hf, record=record)
             for p in params:
                 self.hf.check_shape(p)
@@ -123,10 +125,10 @@ class RunState:
     def start_step(self) -> int:
         return self.resumed.get("step", 0)
 
-    def load_param(self, param: dict) -> torch.Tensor:
+    def load_param(self, param: ParamSpec) -> torch.Tensor:
         """This rank's initial shard of one parameter."""
         if self.resume_from is not None:  # filled by restore(); FSDP padding rows stay zero
-            return torch.zeros(param["local_shape"], dtype=getattr(torch, param.get("dtype", "float32")),
+            return torch.zeros(param.local_shape, dtype=getattr(torch, param.dtype),
                                device=self.device)
         if self.hf is not None:
             return self.hf.read_shard(param, device=self.device)
@@ -147,11 +149,11 @@ class RunState:
     def _description(self) -> dict:
         m, cfg = self.manifest, self.cfg
         hf_config = self.hf.config if self.hf is not None else self.resumed.get("hf_config")
-        return {"model": m.get("model"), "flavor": m.get("flavor"), "model_config": m["model_config"],
-                "layout": m["layout"], "world_size": m["world_size"], "dtype": m.get("dtype"),
-                "batch_size": m["batch_size"], "seq_len": m["seq_len"], "seed": cfg.seed, "data": cfg.data,
-                "lr": cfg.lr, "torch_version": m["torch_version"], "hf_config": hf_config,
-                RECORD: m.get(RECORD), "settings": self._settings()}
+        return {"model": m.model, "flavor": m.flavor, "model_config": m.model_config,
+                "layout": m.layout.as_dict(), "world_size": m.world_size, "dtype": m.dtype,
+                "batch_size": m.batch_size, "seq_len": m.seq_len, "seed": cfg.seed, "data": cfg.data,
+                "lr": cfg.lr, "torch_version": m.torch_version, "hf_config": hf_config,
+                RECORD: m.hf_checkpoint, "settings": self._settings()}
 
     def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW) -> Path | None:
         """Checkpoint every --checkpoint-every steps and at the last step (collective); returns

@@ -19,10 +19,11 @@ from titan.runtime.fusion import compile_program_regions
 from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
 from titan.runtime.contract.graph_decode import load_graph, region_kinds
 from titan.runtime.init import materialize
-from titan.runtime.contract.layout import Layout, group_names
+from titan.runtime.contract.layout import group_names
+from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
 from titan.runtime.step_log import StepLog
-from titan.runtime.contract.checks import check_rank
+from titan.runtime.contract.rank_record import ParamSpec, check_graphs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,11 +85,10 @@ def make_optimizer(params: list[torch.Tensor], lr: float, device: torch.device |
     return AdamW(params, lr=lr, **ADAMW)
 
 
-def make_data(manifest: dict, cfg: RunConfig, coords: dict[str, int]):
-    layout = Layout.from_dict(manifest["layout"])
+def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int]):
+    layout = manifest.layout
     dp_rank = layout.dp_rank(coords)
-    common = dict(vocab_size=manifest["model_config"]["vocab_size"], batch_size=manifest["batch_size"],
-                  seq_len=manifest["seq_len"])
+    common = dict(vocab_size=manifest.vocab_size, batch_size=manifest.batch_size, seq_len=manifest.seq_len)
     if cfg.data is None:
         return SyntheticTokens(seed=cfg.seed, dp_rank=dp_rank, **common)
     return TokenFile(cfg.data, dtype=cfg.data_dtype, dp_rank=dp_rank,
@@ -100,23 +100,23 @@ class GraphProgram:
     coordinates) and this rank's parameter shards."""
 
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
-                 load_param: Callable[[dict], torch.Tensor] | None = None):
-        meta = artifact.rank_meta(rank)
+                 load_param: Callable[[ParamSpec], torch.Tensor] | None = None):
+        record = artifact.rank_record(rank)
         entry = artifact.rank_entry(rank)
-        regions = region_kinds(artifact.manifest.get("passes"))  # fusion regions only if the build made them
+        regions = region_kinds(artifact.manifest.passes)  # fusion regions only if the build made them
         # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
         bind = dict(groups=group_names(mesh), coords=artifact.rank_coordinates(rank), device=device, regions=regions)
-        self.forward = load_graph(artifact.read_verified(entry["forward"]), **bind)
-        self.backward = load_graph(artifact.read_verified(entry["backward"]), **bind)
-        check_rank(meta, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
-                   layout=artifact.manifest["layout"],
-                   graph_hashes={k: artifact.manifest["files"][entry[k]] for k in ("forward", "backward")})
+        self.forward = load_graph(artifact.read_verified(entry.forward), **bind)
+        self.backward = load_graph(artifact.read_verified(entry.backward), **bind)
+        check_graphs(record, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
+                     layout=artifact.layout,
+                     graph_hashes={k: artifact.graph_hash(rank, k) for k in ("forward", "backward")})
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
         self.fusion = compile_program_regions(self.forward, self.backward, device, artifact=artifact)
-        self.inputs = meta["forward_inputs"]
+        self.inputs = record.forward_inputs
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
-        self.params = [load_param(p) for p in meta["params"]]
-        self.coords = meta["coords"]
+        self.params = [load_param(p) for p in record.params]
+        self.coords = record.coords
 
     @torch.no_grad()
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -124,12 +124,12 @@ class GraphProgram:
         params = iter(self.params)
         args = []
         for inp in self.inputs:
-            kind = inp["kind"]
+            kind = inp.kind
             args.append(next(params) if kind == "param" else tokens if kind == "tokens" else labels)
         loss, *saved = self.forward(*args)
         grads = self.backward(*saved, torch.ones_like(loss))
         del saved
-        return loss, [g for inp, g in zip(self.inputs, grads) if inp["kind"] == "param"]
+        return loss, [g for inp, g in zip(self.inputs, grads) if inp.kind == "param"]
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward + backward; sets .grad on each parameter; returns this rank's loss."""
@@ -201,7 +201,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
                             f"{env.world_size} ranks; launch {artifact.world_size} ranks or rebuild for this layout")
     # Initial state (seed / --init-from-hf / --resume), checkpoints and the one check of the run's
     # options against the artifact: runtime/run_state.py.
-    run_state = RunState(cfg, artifact.manifest, artifact.rank_meta(env.rank)["params"])
+    run_state = RunState(cfg, artifact.manifest, artifact.rank_record(env.rank).params)
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
     run_state.device = device
     if device.type == "cuda" and cfg.cuda_graphs:
@@ -217,9 +217,9 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     layout = artifact.layout
     mesh = layout.build_mesh(device.type)
     m = artifact.manifest
-    key = f"{m.get('cache_key', artifact.root.name)}-{device.type}"
-    run_key = f"{m.get('cache_key', m.get('name'))}-{cfg.device}"  # as cli/run.py's run_start_key names it
-    compiles = any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in m["passes"])
+    key = f"{m.cache_key}-{device.type}"
+    run_key = f"{m.cache_key}-{cfg.device}"  # as cli/run.py's run_start_key names it
+    compiles = any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in m.passes)
     if compiles:
         _say(env, cfg, None, "loading this artifact's kernels from the kernel store, compiling the ones it "
                              f"lacks{timings.expectation('fusion', key) or ' (the first run on a device compiles all)'}")
@@ -243,7 +243,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     if start == cfg.steps:  # --steps 0: only the initial state is checkpointed
         checkpointed(start)
     data = make_data(artifact.manifest, cfg, program.coords)
-    tokens_per_step = m["batch_size"] * m["seq_len"] * layout.dp_degree
+    tokens_per_step = m.tokens_per_step
 
     def after_step(s: int) -> None:
         if s == start + 1 and env.rank == 0:

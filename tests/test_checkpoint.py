@@ -33,14 +33,14 @@ from titan.runtime.train import make_optimizer
 env = RankEnv.from_environ()
 init_process_group(env, torch.device("cpu"))
 art = open_artifact(sys.argv[1])
-params = art.rank_meta(env.rank)["params"]
-tensors = [torch.full(p["local_shape"], float("nan")) for p in params]
+params = art.rank_record(env.rank).params
+tensors = [torch.full(p.local_shape, float("nan")) for p in params]
 optimizer = make_optimizer(tensors, 0.0)
 for buf in optimizer.exp_avg + optimizer.exp_avg_sq:
     buf.fill_(float("nan"))
 state = checkpoint.load(Path(sys.argv[2]), params=params, tensors=tensors, optimizer=optimizer)
 checkpoint.save(sys.argv[3], state["step"], params=params, tensors=tensors, optimizer=optimizer,
-                description=dict(state, layout=art.manifest["layout"]))
+                description=dict(state, layout=art.layout.as_dict()))
 shutdown()
 exit_rank(0)
 """

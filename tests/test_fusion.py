@@ -79,7 +79,7 @@ def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact
 
     def regions(art):
         a = open_artifact(art, check_torch=False)
-        doc = read_doc(a.read_verified(a.rank_entry(0)["forward"]))
+        doc = read_doc(a.read_verified(a.rank_entry(0).forward))
         tags = [n.get("region") for n in doc["nodes"]]
         # Each region's nodes are consecutive, so the runtime can cut it out as one call.
         runs = [t for i, t in enumerate(tags) if t and (i == 0 or tags[i - 1] != t)]
@@ -107,7 +107,7 @@ def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eage
         assert json.loads((art / "manifest.json").read_text())["passes"][-1] == "fuse_exact"
         a = open_artifact(art, check_torch=False)
         for kind in ("forward", "backward"):
-            nodes = read_doc(a.read_verified(a.rank_entry(0)[kind]))["nodes"]
+            nodes = read_doc(a.read_verified(getattr(a.rank_entry(0), kind)))["nodes"]
             tags = [n.get("region") for n in nodes]
             runs = [t for i, t in enumerate(tags) if t and (i == 0 or tags[i - 1] != t)]
             assert runs and len(runs) == len(set(runs)) and all(t.startswith("exact#") for t in runs)

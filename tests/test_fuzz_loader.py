@@ -91,8 +91,8 @@ def blobs(single, debug_artifact):
     art = open_artifact(single)
     entry = art.rank_entry(0)
     tp = open_artifact(debug_artifact(tp=2))
-    return [art.read_verified(entry["forward"]), art.read_verified(entry["backward"]),
-            tp.read_verified(tp.rank_entry(1)["forward"])]
+    return [art.read_verified(entry.forward), art.read_verified(entry.backward),
+            tp.read_verified(tp.rank_entry(1).forward)]
 
 
 def _load(blob: bytes):

@@ -83,7 +83,7 @@ def test_allow_list_has_no_memory_unsafe_op_and_covers_every_op_titan_builds(deb
     emitted = set()
     for art in (debug_artifact(), debug_artifact(tp=2)):
         a = open_artifact(art)
-        for rel in a.manifest["files"]:
+        for rel in a.manifest.files:
             if rel.startswith("graphs/"):
                 emitted |= {n["target"] for n in read_doc(a.read_verified(rel))["nodes"] if n["op"] == "call_function"}
     assert emitted - {"getitem"} <= ALLOWED_OPS, emitted - ALLOWED_OPS

@@ -47,10 +47,10 @@ def test_uneven_fsdp_shards_are_padded_and_equal_eager_on_every_rank(debug_artif
     chunk, as FSDP2 does, and trains bit for bit like eager with the same sharding, every
     step's loss and every parameter after the last step, on each of the three ranks."""
     art = debug_artifact(dp_shard=3)
-    last = open_artifact(art).rank_meta(2)
-    shapes = {p["fqn"]: (p["global_shape"], p["local_shape"]) for p in last["params"]}
-    assert shapes["tok_embeddings.weight"] == ([2048, 256], [683, 256])  # rows 1366..2047 and 1 row of padding
-    assert shapes["layers.0.feed_forward.w1.weight"] == ([704, 256], [235, 256])
+    last = open_artifact(art).rank_record(2)
+    shapes = {p.fqn: (p.global_shape, p.local_shape) for p in last.params}
+    assert shapes["tok_embeddings.weight"] == ((2048, 256), (683, 256))  # rows 1366..2047 and 1 row of padding
+    assert shapes["layers.0.feed_forward.w1.weight"] == ((704, 256), (235, 256))
     result = assert_every_rank_equals_eager(art, tmp_path, steps=4, ranks=3)
     assert len(result["eager"]) == 4
 

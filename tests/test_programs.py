@@ -7,6 +7,7 @@ every rank trains bitwise equal to eager."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -15,10 +16,11 @@ import torch
 from conftest import assert_every_rank_equals_eager, titan
 from titan.builder.program import NotOneProgram, Trace, one_program, probe_ranks
 from titan.runtime.artifact import open_artifact
-from titan.runtime.contract.bindings import BIND, bind_value
+from titan.runtime.contract.bindings import bind_value
 from titan.runtime.contract.graph_decode import load_graph, region_kinds
-from titan.runtime.contract.graph_doc import FORMAT, VERSION, GraphFormatError, read_doc
+from titan.runtime.contract.graph_doc import BIND, FORMAT, VERSION, GraphFormatError, read_doc
 from titan.runtime.contract.layout import Layout
+from titan.runtime.contract.rank_record import RankRecord
 
 
 def _bound(value, coords: dict[str, int]):
@@ -42,18 +44,18 @@ def _unnamed(doc: dict) -> dict:
 def test_every_rank_of_a_layout_points_at_the_same_program(layout, debug_artifact):
     art = open_artifact(debug_artifact(**layout))
     world = art.world_size
-    assert len(art.manifest["programs"]) == 1 and art.manifest["rank_programs"] == [0] * world
+    assert len(art.manifest.programs) == 1 and art.manifest.rank_programs == (0,) * world
     entries = [art.rank_entry(r) for r in range(world)]
     assert all(e == entries[0] for e in entries)
-    assert not [rel for rel in art.manifest["files"] if rel.startswith("ranks/")], "no per-rank files"
+    assert not [rel for rel in art.manifest.files if rel.startswith("ranks/")], "no per-rank files"
     # What the runtime binds per rank: its coordinates, and which slice of each parameter it holds.
     for r in range(world):
-        meta = art.rank_meta(r)
-        coords = Layout(**art.manifest["layout"]).coordinates(r)
-        assert meta["coords"] == coords
-        for p in meta["params"]:
-            names = [d for d in ("tp", "dp_shard") if p["placements"].get(d, "R").startswith("S")]
-            assert [cut[2] for cut in p["slices"]] == [coords[d] for d in names]
+        meta = art.rank_record(r)
+        coords = Layout(**layout).coordinates(r)
+        assert meta.coords == coords
+        for p in meta.params:
+            names = [d for d in ("tp", "dp_shard") if p.placements.get(d, "R").startswith("S")]
+            assert [cut[2] for cut in p.slices] == [coords[d] for d in names]
 
 
 def test_build_says_how_many_programs_it_traced(debug_artifact, tmp_path):
@@ -74,13 +76,13 @@ def test_bound_program_equals_an_independent_trace_of_an_untraced_rank(debug_art
     coords = art.rank_coordinates(2)
     bindings = 0
     for kind, blob in (("forward", traced.forward), ("backward", traced.backward)):
-        program = read_doc(art.read_verified(art.rank_entry(2)[kind]))
+        program = read_doc(art.read_verified(getattr(art.rank_entry(2), kind)))
         bindings += json.dumps(program["nodes"]).count(BIND)
         assert _unnamed(_bound(program, coords)) == _unnamed(read_doc(blob)), kind
     assert bindings == 5  # embedding mask bounds and shift (3), two backward split indices
-    program_meta = json.loads(art.read_verified(art.rank_entry(2)["meta"]))
-    bound = {k: v for k, v in art.rank_meta(2).items() if k not in ("forward_graph", "backward_graph")}
-    assert bound == traced.meta and program_meta["params"] != traced.meta["params"]
+    stored = json.loads(art.read_verified(art.rank_entry(2).meta))
+    bound = replace(art.rank_record(2), forward_graph=None, backward_graph=None)
+    assert bound == traced.meta and stored["params"] != traced.meta.to_json()["params"]
 
 
 @pytest.mark.parametrize("layout", [dict(tp=4), dict(tp=2, dp_shard=2)], ids=["tp4", "tp2-dp_shard2"])
@@ -96,9 +98,10 @@ def _doc(values: list) -> bytes:
 
 
 def _traces(layout: Layout, value_of) -> list[Trace]:
-    meta = {"params": [], "forward_inputs": []}
+    meta = RankRecord(params=(), forward_inputs=(), static_input_indices=(), saved_activations=0, saved_bytes=0,
+                      backward_outputs=())
     return [Trace(rank=r, forward=_doc([value_of(layout.coordinates(r))]), backward=_doc([7]),
-                  meta=dict(meta, rank=r, coords=layout.coordinates(r))) for r in probe_ranks(layout)]
+                  meta=replace(meta, rank=r, coords=layout.coordinates(r))) for r in probe_ranks(layout)]
 
 
 def test_probe_ranks_fit_affine_bindings_and_refuse_anything_else():
@@ -118,7 +121,7 @@ def test_probe_ranks_fit_affine_bindings_and_refuse_anything_else():
 
 def _program_blob(debug_artifact, kind: str) -> tuple[dict, bytes]:
     art = open_artifact(debug_artifact(tp=2))
-    blob = art.read_verified(art.rank_entry(0)[kind])
+    blob = art.read_verified(getattr(art.rank_entry(0), kind))
     return read_doc(blob), blob
 
 
@@ -133,7 +136,7 @@ def _rebind(doc: dict, change) -> bytes:
 
 def test_runtime_refuses_forged_or_unbound_bindings(debug_artifact):
     cpu = torch.device("cpu")
-    regions = region_kinds(open_artifact(debug_artifact(tp=2)).manifest["passes"])
+    regions = region_kinds(open_artifact(debug_artifact(tp=2)).manifest.passes)
     doc, blob = _program_blob(debug_artifact, "forward")
     load_graph(blob, device=cpu, groups={"tp": "g"}, regions=regions, coords={"tp": 1})
     with pytest.raises(GraphFormatError, match="binds rank coordinates; load it for a rank"):

@@ -24,9 +24,7 @@ def materialize_shards(model: nn.Module, shards: list[ParamShard], specs: dict[s
             if param is None:
                 continue
             fqn = f"{mod_name}.{pname}" if mod_name else pname
-            s = by_fqn[fqn]
-            local = materialize({"fqn": fqn, "global_shape": list(s.global_shape), "local_shape": list(s.local_shape),
-                                 "slices": [list(x) for x in s.slices], "init": specs[fqn]}, seed=seed, device=device)
+            local = materialize(by_fqn[fqn].spec(specs[fqn]), seed=seed, device=device)
             module._parameters[pname] = nn.Parameter(local)
 
 

@@ -17,8 +17,9 @@ import json
 from dataclasses import dataclass, field
 
 from titan.runtime.artifact import Artifact
-from titan.runtime.contract.bindings import BIND, bind_value
-from titan.runtime.contract.graph_doc import read_doc
+from titan.runtime.contract.bindings import bind_value
+from titan.runtime.contract.graph_doc import BIND, GROUP, NODE, read_doc
+from titan.runtime.contract.rank_record import RankRecord
 
 CATEGORIES = ("manifest", "rank metadata", "static inputs", "bucket plan", "op targets", "inserted", "removed",
               "constants", "bindings", "shapes", "collectives", "wiring")
@@ -26,7 +27,8 @@ _C10D = "_c10d_functional."
 # Manifest fields that say nothing about what was built.
 # (Programs are compared through the ranks' graphs and metadata, not by their file names.)
 _MANIFEST_IGNORED = {"files", "programs", "rank_programs", "created", "name", "cache_key"}
-_META_IGNORED = {"forward_graph", "backward_graph"}
+# Rank-record fields compared on their own, or (the graphs' digests) through the graphs.
+_META_COMPARED = {"params", "bucket_plan", "static_input_indices", "forward_graph", "backward_graph"}
 
 
 @dataclass
@@ -143,15 +145,14 @@ def _param_order(fqn: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in fqn.split("."))
 
 
-def _meta_diff(a: dict, b: dict) -> list[Difference]:
-    a = {k: v for k, v in a.items() if k not in _META_IGNORED}
-    b = {k: v for k, v in b.items() if k not in _META_IGNORED}
-    pa = {p["fqn"]: p for p in a.pop("params", [])}
-    pb = {p["fqn"]: p for p in b.pop("params", [])}
-    out = _plan_diff(a.pop("bucket_plan", []), b.pop("bucket_plan", []))
-    sa, sb = a.pop("static_input_indices", []), b.pop("static_input_indices", [])
+def _meta_diff(ra: RankRecord, rb: RankRecord) -> list[Difference]:
+    pa, pb = ({p.fqn: p.to_json() for p in r.params} for r in (ra, rb))
+    out = _plan_diff(list(ra.bucket_plan), list(rb.bucket_plan))
+    sa, sb = list(ra.static_input_indices), list(rb.static_input_indices)
     if sa != sb:
         out.append(Difference("rank", "static inputs", f"static input indices: {_short(sa)} -> {_short(sb)}"))
+    # The rest of the record, field by field in its JSON form.
+    a, b = ({k: v for k, v in r.to_json().items() if k not in _META_COMPARED} for r in (ra, rb))
     out += _dict_diff(a, b, "rank", "rank metadata")
     changes = []
     for fqn in sorted(set(pa) | set(pb), key=_param_order):
@@ -186,7 +187,7 @@ def _describe(n: dict) -> str:
     if isinstance(val, dict) and "shape" in val:
         kind += f" -> {val['dtype']}{val['shape']}"
     if _is_collective(n):
-        groups = [a["$group"] for a in n.get("args", []) if isinstance(a, dict) and "$group" in a]
+        groups = [a[GROUP] for a in n.get("args", []) if isinstance(a, dict) and GROUP in a]
         kind += f" on {','.join(groups)}"
     return kind
 
@@ -256,11 +257,11 @@ class _GraphDiff:
             return
         if isinstance(u, dict) and isinstance(v, dict) and len(u) == len(v) == 1 and u.keys() == v.keys():
             (key,) = u.keys()
-            if key == "$n":
+            if key == NODE:
                 if self.map.get(u[key]) != v[key]:
                     self._add("wiring", f"{path}: %{u[key]} -> %{v[key]} (inputs differ)", i, self.a)
                 return
-            if key == "$group":
+            if key == GROUP:
                 if u != v:
                     self._add("collectives", f"regrouped {path}: {u[key]} -> {v[key]}", i, self.a)
                 return
@@ -274,18 +275,18 @@ def diff_ranks(left: Artifact, left_rank: int, right: Artifact, right_rank: int,
                graphs: tuple[str, ...] = ("forward", "backward")) -> DiffReport:
     report = DiffReport(left=f"{left.root} rank {left_rank}", right=f"{right.root} rank {right_rank}")
     if left.root != right.root:
-        ma = {k: v for k, v in left.manifest.items() if k not in _MANIFEST_IGNORED}
-        mb = {k: v for k, v in right.manifest.items() if k not in _MANIFEST_IGNORED}
+        ma = {k: v for k, v in left.manifest.to_json().items() if k not in _MANIFEST_IGNORED}
+        mb = {k: v for k, v in right.manifest.to_json().items() if k not in _MANIFEST_IGNORED}
         report.differences += _dict_diff(ma, mb, "manifest", "manifest")
-    rank_differences = _meta_diff(left.rank_meta(left_rank), right.rank_meta(right_rank))
+    rank_differences = _meta_diff(left.rank_record(left_rank), right.rank_record(right_rank))
     ea, eb = left.rank_entry(left_rank), right.rank_entry(right_rank)
     ca, cb = left.rank_coordinates(left_rank), right.rank_coordinates(right_rank)
     for kind in graphs:
-        ha, hb = left.manifest["files"][ea[kind]], right.manifest["files"][eb[kind]]
+        ha, hb = left.graph_hash(left_rank, kind), right.graph_hash(right_rank, kind)
         report.same_blobs[kind] = ha == hb
-        a = read_doc(left.read_verified(ea[kind]))
+        a = read_doc(left.read_verified(getattr(ea, kind)))
         # One program: the same nodes, compared for the values each rank binds.
-        b = a if ha == hb else read_doc(right.read_verified(eb[kind]))
+        b = a if ha == hb else read_doc(right.read_verified(getattr(eb, kind)))
         report.differences += _GraphDiff(kind, a["nodes"], b["nodes"], ca, cb).run()
         if a.get("constants") != b.get("constants"):
             report.differences.append(Difference(kind, "constants", "tensor constants differ"))

@@ -4,8 +4,9 @@ inputs and outputs named from the rank metadata. Reads graph documents only (no 
 from __future__ import annotations
 
 from titan.runtime.artifact import Artifact
-from titan.runtime.contract.bindings import BIND, bind_value
-from titan.runtime.contract.graph_doc import read_doc
+from titan.runtime.contract.bindings import bind_value
+from titan.runtime.contract.graph_doc import BIND, DEVICE, DTYPE, GROUP, NODE, TUPLE, read_doc
+from titan.runtime.contract.rank_record import RankRecord
 
 _C10D = "_c10d_functional."
 
@@ -30,17 +31,17 @@ def _fmt_bind(spec: dict, coords: dict[str, int]) -> str:
 def _fmt_arg(a, coords: dict[str, int]) -> str:
     if isinstance(a, dict) and len(a) == 1:
         (k, v), = a.items()
-        if k == "$n":
+        if k == NODE:
             return f"%{v}"
         if k == BIND:
             return _fmt_bind(v, coords)
-        if k == "$t":
+        if k == TUPLE:
             return "(" + ", ".join(_fmt_arg(x, coords) for x in v) + ")"
-        if k == "$group":
+        if k == GROUP:
             return f"group={v}"
-        if k == "$dtype":
+        if k == DTYPE:
             return v
-        if k == "$device":
+        if k == DEVICE:
             return "device"
         return str(v)
     if isinstance(a, list):
@@ -49,21 +50,21 @@ def _fmt_arg(a, coords: dict[str, int]) -> str:
 
 
 def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
-    entry, meta = art.rank_entry(rank), art.rank_meta(rank)
+    rel, meta = getattr(art.rank_entry(rank), kind), art.rank_record(rank)
     coords = art.rank_coordinates(rank)
 
     def fmt(a) -> str:
         return _fmt_arg(a, coords)
 
-    doc = read_doc(art.read_verified(entry[kind]))
+    doc = read_doc(art.read_verified(rel))
     nodes = doc["nodes"]
-    sha = art.manifest["files"][entry[kind]]
-    n_saved = meta["saved_activations"]
+    sha = art.graph_hash(rank, kind)
+    n_saved = meta.saved_activations
     if kind == "forward":
-        names = [inp.get("fqn", inp["kind"]) for inp in meta["forward_inputs"]]
+        names = [inp.fqn or inp.kind for inp in meta.forward_inputs]
     else:
         names = [f"saved activation {i}" for i in range(n_saved)] + ["tangent of the loss"]
-    lines = [f"{kind} graph of rank {rank} {meta['coords']}: {len(nodes)} nodes, blob {sha[:12]}"]
+    lines = [f"{kind} graph of rank {rank} {meta.coords}: {len(nodes)} nodes, blob {sha[:12]}"]
     collectives = 0
     placeholder = 0
     for i, n in enumerate(nodes):
@@ -75,13 +76,13 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
             lines.append(f"  %{i:<5} input  {n['name']:<28} {_fmt_val(n.get('val')):<24} {label}")
         elif op == "output":
             outs = n["args"][0]
-            items = outs.get("$t", outs) if isinstance(outs, dict) else outs
+            items = outs.get(TUPLE, outs) if isinstance(outs, dict) else outs
             lines.append(f"  %{i:<5} output {len(items)} values")
             if kind == "forward":
                 lines.append(f"         loss = {fmt(items[0])}; saved for backward ({n_saved}): "
                              + ", ".join(fmt(x) for x in items[1:]))
             else:
-                grads = [f"{fqn}={fmt(x)}" for fqn, x in zip(meta["backward_outputs"], items) if fqn]
+                grads = [f"{fqn}={fmt(x)}" for fqn, x in zip(meta.backward_outputs, items) if fqn]
                 lines.append("         gradients: " + ", ".join(grads))
         else:
             target = n.get("target", "")
@@ -96,9 +97,9 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
     return lines
 
 
-def list_bucket_plan(meta: dict, kind: str) -> list[str]:
+def list_bucket_plan(meta: RankRecord, kind: str) -> list[str]:
     """The rank's collective buckets in this graph (from the bucketing passes), one per line."""
-    plan = [b for b in meta.get("bucket_plan", []) if b["graph"] == kind]
+    plan = [b for b in meta.bucket_plan if b["graph"] == kind]
     if not plan:
         return [f"bucket plan ({kind}): none (every collective on its own)"]
     lines = [f"bucket plan ({kind}): {len(plan)} buckets"]

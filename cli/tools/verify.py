@@ -12,17 +12,18 @@ from titan.cli.tools.eager import EagerProgram
 from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.manifest import Manifest
 from titan.runtime.distributed import RankEnv, init_process_group, pick_device
 from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, step_function,
                                  train_loop)
 
 
-def eager_config(manifest: dict) -> tuple[ModelSpec, ModelConfig]:
+def eager_config(manifest: Manifest) -> tuple[ModelSpec, ModelConfig]:
     """The artifact's model, as this titan's model code builds it."""
-    spec = model_spec(manifest["model"])
-    cfg = spec.config_from_dict(manifest["model_config"])
-    if spec.flavors.get(manifest["flavor"]) != cfg:
-        raise ValueError(f"artifact model config does not match flavor {manifest['flavor']!r} of this titan; "
+    spec = model_spec(manifest.model)
+    cfg = spec.config_from_dict(manifest.model_config)
+    if spec.flavors.get(manifest.flavor) != cfg:
+        raise ValueError(f"artifact model config does not match flavor {manifest.flavor!r} of this titan; "
                          "rebuild the artifact with this version")
     return spec, cfg
 
@@ -39,11 +40,11 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
     init_process_group(env, device, timeout_s=cfg.timeout_s)
     layout = art.layout
     mesh = layout.build_mesh(device.type)
-    tokens_per_step = m["batch_size"] * m["seq_len"] * layout.dp_degree
+    tokens_per_step = m.tokens_per_step
     kw = dict(steps=cfg.steps, device=device, mesh=mesh, tokens_per_step=tokens_per_step, log=None)
 
-    eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m["batch_size"], seq_len=m["seq_len"],
-                         device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m["dtype"]))
+    eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
+                         device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype))
     # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors).
     eager_opt = torch.optim.AdamW(eager.params, lr=cfg.lr, foreach=False, **ADAMW)
     eager_losses = train_loop(eager.step, eager_opt,
@@ -56,7 +57,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
     with step_function(program, cfg, device) as step:
         graph_losses = train_loop(step, make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw),
                                   make_data(m, cfg, program.coords), **kw)
-    fqns = [p["fqn"] for p in art.rank_meta(env.rank)["params"]]
+    fqns = art.rank_record(env.rank).param_fqns
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
     return eager_losses, graph_losses, device, differ, len(fqns)
 

@@ -8,8 +8,6 @@ never from anything the artifact says about the rank. Every bound value is range
 from __future__ import annotations
 
 from titan.runtime.contract.graph_doc import MAX_ELEMENTS, GraphFormatError
-
-BIND = "$bind"
 # Mesh dimensions that cut parameter slices, in the order the slices apply (tensor-parallel
 # first, then FSDP on dim 0 of that slice).
 SLICE_DIMS = ("tp", "dp_shard")

@@ -12,11 +12,11 @@ Values are msgpack scalars, lists, or one-key maps for what msgpack lacks:
     {"$device": "local"}   the device the graph runs on
     {"$group": s}    the process group of mesh dimension s (e.g. "tp"), bound at load
     {"$bind": {"base": b, "coef": {dim: a, ...}}}   an integer bound at load from the loading
-                     rank's mesh coordinates: b + sum(a * coordinate[dim]) (runtime/contract/bindings.py)
+                     rank's mesh coordinates: b + sum(a * coordinate[dim]) (bindings.py)
 `val` describes a node's result: {"shape", "stride", "dtype"} for a tensor, a list of those
 for a tuple, {"int": n} for an integer, or null. Tensor constants (get_attr targets) are a
 safetensors document embedded as bytes. Call targets are "<namespace>.<op>.<overload>" from the
-explicit op allow-list (runtime/contract/op_allowlist.py), or "getitem"; anything else is refused, so
+explicit op allow-list (op_allowlist.py), or "getitem"; anything else is refused, so
 loading runs no code. A node may carry "region": "<kind>#<n>", a fusion region tag, only of the
 kinds the artifact's fusion pass makes (REGION_KINDS): a tag decides whether kernels are loaded.
 """
@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import safetensors.torch
 import torch
 import torch.fx as fx
 
-from titan.runtime.contract.bindings import BIND, bind_value
-from titan.runtime.contract.graph_doc import FORMAT, MAX_ELEMENTS, VERSION, GraphFormatError, read_doc  # noqa: F401
+from titan.runtime.contract.bindings import bind_value
+from titan.runtime.contract.graph_doc import (BIND, DEVICE, DTYPE, FORMAT, GROUP, LAYOUT, MAX_ELEMENTS,  # noqa: F401
+                                             MEMORY_FORMAT, NODE, TUPLE, VERSION, GraphFormatError, read_doc)
 from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 
 # A fusion region tag: "<kind>#<n>"; runtime/fusion.py compiles each region.
@@ -60,12 +61,9 @@ def target_name(target: Any) -> str:
     raise GraphFormatError(f"graph calls {target!r}, which the titan format cannot express")
 
 
-def region_kinds(passes: list[str]) -> frozenset[str]:
-    """The region tags graphs built with `passes` may carry."""
-    kinds: frozenset[str] = frozenset()
-    for p in passes if isinstance(passes, list) else []:
-        kinds |= REGION_KINDS.get(p, frozenset()) if isinstance(p, str) else frozenset()
-    return kinds
+def region_kinds(passes: Sequence[str]) -> frozenset[str]:
+    """The region tags graphs built with `passes` (a manifest's, checked) may carry."""
+    return frozenset().union(*(REGION_KINDS.get(p, frozenset()) for p in passes))
 
 
 def resolve_target(name: str) -> Callable:
@@ -210,25 +208,25 @@ def _decode_value(v: Any, nodes: list[fx.Node], here: int, ctx: "_DecodeContext"
         return [_decode_value(x, nodes, here, ctx) for x in v]
     if isinstance(v, dict) and len(v) == 1:
         (key, arg), = v.items()
-        if key == "$n":
+        if key == NODE:
             if not isinstance(arg, int) or not 0 <= arg < here:
                 raise GraphFormatError(f"node {here} refers to node {arg!r}, which is not an earlier node")
             return nodes[arg]
-        if key == "$t":
+        if key == TUPLE:
             if not isinstance(arg, list):
                 raise GraphFormatError(f"node {here}: malformed tuple")
             return tuple(_decode_value(x, nodes, here, ctx) for x in arg)
-        if key == "$dtype":
+        if key == DTYPE:
             return dtype_from_name(arg)
-        if key == "$device":
+        if key == DEVICE:
             if arg != "local":
                 raise GraphFormatError(f"node {here}: device {arg!r} is not 'local'")
             return ctx.device
-        if key == "$layout" and arg in _LAYOUTS:
+        if key == LAYOUT and arg in _LAYOUTS:
             return _LAYOUTS[arg]
-        if key == "$mf" and arg in _MEMORY_FORMATS:
+        if key == MEMORY_FORMAT and arg in _MEMORY_FORMATS:
             return _MEMORY_FORMATS[arg]
-        if key == "$group":
+        if key == GROUP:
             if arg not in ctx.groups:
                 raise GraphFormatError(f"node {here}: process group {arg!r} is not a mesh dimension here "
                                        f"({', '.join(ctx.groups) or 'none'})")

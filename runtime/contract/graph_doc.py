@@ -1,4 +1,5 @@
-"""The raw document of a titan graph blob, read without torch (for inspection tools)."""
+"""The raw document of a titan graph blob: its format constants, the tags of its encoded values
+(spec: graph_decode.py), and its reading without torch (for inspection tools)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ VERSION = 2  # 2: integers bound from rank coordinates ({"$bind": ...})
 MAX_ELEMENTS = 1 << 34
 MAX_DEPTH = 16
 """Deepest nesting of a graph document (titan writes at most 7 levels)."""
+
+# The one-key maps that encode what msgpack lacks (graph_encode.py writes them, graph_decode.py
+# reads them, the tools print them).
+NODE = "$n"
+"""{"$n": i}: the output of node i."""
+TUPLE = "$t"
+DTYPE = "$dtype"
+DEVICE = "$device"
+LAYOUT = "$layout"
+MEMORY_FORMAT = "$mf"
+GROUP = "$group"
+"""{"$group": dim}: the process group of a mesh dimension, bound at load."""
+BIND = "$bind"
+"""{"$bind": {"base": b, "coef": {dim: a}}}: an integer bound at load from the rank's coordinates."""
 
 
 class GraphFormatError(ValueError):

@@ -1,4 +1,4 @@
-"""Write an FX graph in the titan graph format (spec and reader: titan.runtime.contract.graph_decode).
+"""Write an FX graph in the titan graph format (spec and reader: graph_decode.py, beside it).
 
 Canonicalizes on the way: process-group names become mesh-dimension names and devices become
 "local", so ranks whose graphs differ only in those write identical bytes.
@@ -13,7 +13,9 @@ import safetensors.torch
 import torch
 import torch.fx as fx
 
-from titan.runtime.contract.graph_decode import FORMAT, VERSION, target_name
+from titan.runtime.contract.graph_decode import target_name
+from titan.runtime.contract.graph_doc import (DEVICE, DTYPE, FORMAT, GROUP, LAYOUT, MEMORY_FORMAT, NODE, TUPLE,
+                                             VERSION)
 
 _C10D_NS = "_c10d_functional"
 
@@ -35,27 +37,27 @@ class _Encoder:
 
     def value(self, v: Any, *, group_arg: bool = False) -> Any:
         if isinstance(v, fx.Node):
-            return {"$n": self.index[v]}
+            return {NODE: self.index[v]}
         if isinstance(v, bool) or v is None or isinstance(v, (int, float)):
             return v
         if isinstance(v, str):
             if group_arg:
                 if v not in self.group_names:
                     raise ValueError(f"collective on process group {v!r}, which is not a mesh dimension")
-                return {"$group": self.group_names[v]}
+                return {GROUP: self.group_names[v]}
             return v
         if isinstance(v, tuple):
-            return {"$t": [self.value(x) for x in v]}
+            return {TUPLE: [self.value(x) for x in v]}
         if isinstance(v, list):
             return [self.value(x) for x in v]
         if isinstance(v, torch.dtype):
-            return {"$dtype": str(v).removeprefix("torch.")}
+            return {DTYPE: str(v).removeprefix("torch.")}
         if isinstance(v, torch.device):
-            return {"$device": "local"}
+            return {DEVICE: "local"}
         if isinstance(v, torch.layout):
-            return {"$layout": str(v).removeprefix("torch.")}
+            return {LAYOUT: str(v).removeprefix("torch.")}
         if isinstance(v, torch.memory_format):
-            return {"$mf": str(v).removeprefix("torch.")}
+            return {MEMORY_FORMAT: str(v).removeprefix("torch.")}
         raise ValueError(f"cannot encode graph argument {v!r} ({type(v).__name__})")
 
 

@@ -1,0 +1,201 @@
+"""The manifest (manifest.json): what an artifact was built for, the programs its ranks run and
+the sha256 of every file it holds (spec: artifacts/README.md). titan-build writes it with
+`to_json`; the runtime and the tools read it with `from_json`, which runs every check of it. No
+torch import: titan-build's cache-hit path writes it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from titan.runtime.contract.checks import (ArtifactError, check_int, check_rel_path, check_str, fail)
+from titan.runtime.contract.hf_record import RECORD, HFRecord, hf_record
+from titan.runtime.contract.layout import MESH_DIMS, Layout
+
+ARTIFACT_FORMAT = "titan-artifact"
+ARTIFACT_VERSION = 2  # 2: programs shared by ranks, rank values bound at load
+MANIFEST = "manifest.json"
+REQUIRED = ("world_size", "mesh", "programs", "rank_programs", "files", "torch_version", "batch_size", "seq_len",
+            "model_config")
+"""Fields without which nothing about the artifact can be checked ("lacks '...'")."""
+DESCRIBED = ("model", "flavor", "dtype", "ac", "param_dtype", "builder_version", "created", "name", "cache_key")
+"""Fields that describe the build (strings the tools print and compare)."""
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_VERSION = re.compile(r"[0-9][0-9A-Za-z.+_-]{0,63}")
+_KERNEL_KEY = re.compile(r"[0-9a-f]{32}")
+MAX_KERNELS = 1 << 16
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProgramFiles:
+    """The files of one program: its metadata (a RankRecord) and its two graphs."""
+    meta: str
+    forward: str
+    backward: str
+
+    def to_json(self) -> dict:
+        return {"meta": self.meta, "forward": self.forward, "backward": self.backward}
+
+
+@dataclass(kw_only=True, frozen=True)
+class Manifest:
+    model: str
+    """The model family (builder/models/ registry name)."""
+    flavor: str
+    model_config: dict
+    """The model's configuration, as its spec writes it (has at least `vocab_size`)."""
+    layout: Layout
+    world_size: int
+    batch_size: int
+    """Sequences per data-parallel rank per step."""
+    seq_len: int
+    dtype: str
+    """The compute dtype (parameters are `param_dtype`)."""
+    ac: str
+    param_dtype: str
+    torch_version: str
+    builder_version: str
+    passes: tuple[str, ...]
+    hf_checkpoint: dict | None
+    """The Hugging Face record (hf_record.py), checked where it is used; None: no counterpart."""
+    created: str
+    name: str
+    cache_key: str
+    programs: tuple[ProgramFiles, ...]
+    rank_programs: tuple[int, ...]
+    """Per rank, the index of the program it runs."""
+    files: dict[str, str]
+    """Every file of the artifact (path relative to it) -> its sha256."""
+    kernels: dict[str, str] = field(default_factory=dict)
+    """Compiled regions (titan-build --kernels): kernel key -> listed file."""
+
+    @property
+    def dp_degree(self) -> int:
+        return self.layout.dp_degree
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config["vocab_size"]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.layout.dp_degree
+
+    def program_of(self, rank: int) -> ProgramFiles:
+        return self.programs[self.rank_programs[rank]]
+
+    def hf_record(self, where: str) -> HFRecord:
+        """The Hugging Face record, checked (ValueError naming `where` if there is none)."""
+        return hf_record({RECORD: self.hf_checkpoint}, where)
+
+    def to_json(self) -> dict:
+        d = {"format": ARTIFACT_FORMAT, "format_version": ARTIFACT_VERSION, "model": self.model,
+             "flavor": self.flavor, "model_config": self.model_config, "layout": self.layout.as_dict(),
+             "mesh": [list(d) for d in self.layout.mesh_shape()], "world_size": self.world_size,
+             "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": self.dtype, "ac": self.ac,
+             "param_dtype": self.param_dtype, "torch_version": self.torch_version,
+             "builder_version": self.builder_version, "passes": list(self.passes), RECORD: self.hf_checkpoint,
+             "created": self.created, "name": self.name, "cache_key": self.cache_key,
+             "programs": [p.to_json() for p in self.programs], "rank_programs": list(self.rank_programs),
+             "files": self.files}
+        if self.kernels:
+            d["kernels"] = self.kernels
+        return d
+
+    @staticmethod
+    def from_json(m, root: str | Path) -> Manifest:
+        """The manifest of the artifact at `root`, checked: ArtifactError (one line, with the fix)
+        for anything titan-build would not have written."""
+        mpath = Path(root) / MANIFEST
+        if not isinstance(m, dict) or m.get("format") != ARTIFACT_FORMAT:
+            raise ArtifactError(f"{mpath} is not a titan artifact manifest; rebuild with titan-build")
+        if m.get("format_version") != ARTIFACT_VERSION:
+            raise ArtifactError(f"{root} has artifact format {m.get('format_version')!r}; this runtime reads "
+                                f"format {ARTIFACT_VERSION}: rebuild it with this version's titan-build")
+        for key in REQUIRED:
+            if key not in m:
+                raise ArtifactError(f"{mpath} lacks '{key}'; rebuild with titan-build")
+        return _checked(m)
+
+
+def _checked(m: dict) -> Manifest:
+    where = "manifest"
+    files = m.get("files")
+    if not isinstance(files, dict) or not files:
+        fail(where, "'files' must map paths to sha256 digests")
+    for rel, digest in files.items():
+        check_rel_path(rel, f"{where} files")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            fail(where, f"files[{rel!r}] is not a sha256 digest")
+    if not isinstance(m.get("torch_version"), str) or not _VERSION.fullmatch(m["torch_version"]):
+        fail(where, f"torch_version {m.get('torch_version')!r} is not a version string")
+    world = check_int(m.get("world_size"), f"{where} world_size", 1, 1 << 16)
+    layout = _layout(m, world, where)
+    check_int(m.get("batch_size"), f"{where} batch_size", 1, 1 << 20)
+    check_int(m.get("seq_len"), f"{where} seq_len", 2, 1 << 24)
+    cfg = m.get("model_config")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("vocab_size"), int) or cfg["vocab_size"] < 2:
+        fail(where, "'model_config' lacks a vocabulary size")
+    programs = m.get("programs")
+    if not isinstance(programs, list) or not 1 <= len(programs) <= world:
+        fail(where, f"'programs' must list between 1 and {world} programs")
+    for i, entry in enumerate(programs):
+        if not isinstance(entry, dict):
+            fail(where, f"program {i} is malformed")
+        for key in ("meta", "forward", "backward"):
+            rel = check_rel_path(entry.get(key), f"{where} program {i} {key}")
+            if rel not in files:
+                fail(where, f"program {i} {key} file {rel} is not listed in 'files'")
+    assignment = m.get("rank_programs")
+    if not isinstance(assignment, list) or len(assignment) != world:
+        fail(where, f"'rank_programs' must give a program for each of the {world} ranks")
+    for r, index in enumerate(assignment):
+        check_int(index, f"{where} rank_programs[{r}]", 0, len(programs) - 1)
+    kernels = m.get("kernels", {})
+    _check_kernels(kernels, files, where)
+    passes = m.get("passes")
+    if not isinstance(passes, list) or not all(isinstance(p, str) for p in passes):
+        fail(where, "'passes' must list pass names")
+    described = {key: check_str(m.get(key), where, key) for key in DESCRIBED}
+    return Manifest(**described, model_config=cfg, layout=layout, world_size=world, batch_size=m["batch_size"],
+                    seq_len=m["seq_len"], torch_version=m["torch_version"], passes=tuple(passes),
+                    hf_checkpoint=m.get(RECORD), files=files, kernels=kernels,
+                    programs=tuple(ProgramFiles(meta=p["meta"], forward=p["forward"], backward=p["backward"])
+                                   for p in programs),
+                    rank_programs=tuple(assignment))
+
+
+def _layout(m: dict, world: int, where: str) -> Layout:
+    """The layout, which must agree with the mesh (of the dimensions of size > 1, in order)."""
+    mesh = m.get("mesh")
+    if not isinstance(mesh, list):
+        fail(where, "'mesh' must be a list")
+    product, seen = 1, []
+    for dim in mesh:
+        if (not isinstance(dim, list) or len(dim) != 2 or dim[0] not in MESH_DIMS or dim[0] in seen):
+            fail(where, f"bad mesh dimension {dim!r}")
+        seen.append(dim[0])
+        product *= check_int(dim[1], f"{where} mesh {dim[0]}", 2, 1 << 16)
+    if seen != sorted(seen, key=MESH_DIMS.index):
+        fail(where, "mesh dimensions out of order")
+    if product != world:
+        fail(where, f"mesh {mesh} does not multiply to world size {world}")
+    layout = m.get("layout")
+    if not isinstance(layout, dict) or any(
+            check_int(layout.get(n), f"{where} layout {n}", 1, 1 << 16) != dict(mesh).get(n, 1) for n in MESH_DIMS):
+        fail(where, "'layout' disagrees with 'mesh'")
+    return Layout.from_dict(layout)
+
+
+def _check_kernels(kernels, files: dict, where: str) -> None:
+    """Compiled regions the artifact carries (titan-build --kernels): kernel key -> listed file.
+    They are code; the manifest's digest of each is what lets the runtime load it."""
+    if not isinstance(kernels, dict) or len(kernels) > MAX_KERNELS:
+        fail(where, "'kernels' must map kernel keys to files")
+    for key, rel in kernels.items():
+        if not _KERNEL_KEY.fullmatch(key):
+            fail(where, f"kernel key {key[:40]!r} is not a kernel key")
+        if check_rel_path(rel, f"{where} kernels") not in files:
+            fail(where, f"kernel file {rel} is not listed in 'files'")

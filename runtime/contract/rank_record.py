@@ -1,0 +1,234 @@
+"""A program's metadata (programs/<sha256>.json; spec: artifacts/README.md): what its forward
+graph takes, what its backward returns, and its parameter table. titan-build traces it for one
+rank (a rank and its coordinates; each slice cut at the rank's coordinate) and stores it for a
+program (no rank; each slice names the mesh dimension whose coordinate cuts it); a loading
+rank binds it to its own coordinates (bind_program) and checks it against the graphs it loaded
+(check_graphs). No torch import at module level."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from titan.runtime.contract.bindings import bound_params
+from titan.runtime.contract.checks import ArtifactError, check_int, check_shape, check_str, fail
+from titan.runtime.contract.layout import Layout
+from titan.runtime.shards import shard_box
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+INIT_KINDS = ("normal", "trunc_normal", "ones", "zeros")
+INPUT_KINDS = ("param", "tokens", "labels")
+
+
+@dataclass(kw_only=True, frozen=True)
+class GraphInput:
+    """One input of the forward graph, in order: a parameter (by name), the tokens or the labels."""
+    kind: str
+    fqn: str | None = None
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind} if self.fqn is None else {"kind": self.kind, "fqn": self.fqn}
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParamSpec:
+    """One parameter of the program: its global shape, this rank's shard of it and its init."""
+    fqn: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    """The shard's shape, padded to full chunks where a cut does not divide (runtime/shards.py)."""
+    placements: dict[str, str]
+    """Mesh dimension -> DTensor placement ("S(0)", "R"), for the tools."""
+    slices: tuple[tuple, ...]
+    """(dim, parts, index) cuts, applied in order; in a stored program the index is the name of
+    the mesh dimension whose coordinate it is (bindings.py binds it)."""
+    init: dict
+    """{"kind": one of INIT_KINDS, "std", "a", "b"}: how a seeded run draws the full tensor."""
+    dtype: str = "float32"
+
+    def to_json(self) -> dict:
+        return {"fqn": self.fqn, "global_shape": list(self.global_shape), "local_shape": list(self.local_shape),
+                "placements": self.placements, "slices": [list(s) for s in self.slices], "init": self.init,
+                "dtype": self.dtype}
+
+    @staticmethod
+    def from_json(p, where: str) -> ParamSpec:
+        """A parameter entry whose slices are bound (integer indices), checked."""
+        if not isinstance(p, dict) or not isinstance(p.get("fqn"), str) or not p["fqn"]:
+            fail(where, "parameter entry without a name")
+        where = f"{where} parameter {p['fqn'][:80]}"
+        global_shape = check_shape(p.get("global_shape"), where)
+        slices = p.get("slices")
+        if not isinstance(slices, list) or len(slices) > 4:
+            fail(where, "bad slices")
+        for cut in slices:
+            if not isinstance(cut, list) or len(cut) != 3:
+                fail(where, f"bad slice {cut!r}")
+            check_int(cut[0], where, 0, len(global_shape) - 1)
+            parts = check_int(cut[1], where, 1, 1 << 16)
+            check_int(cut[2], where, 0, parts - 1)
+        # A cut that does not divide its dim leaves padded chunks (runtime/shards.py), as FSDP2 does.
+        local = shard_box(slices, list(global_shape)).local_shape
+        if local != check_shape(p.get("local_shape"), where):
+            fail(where, f"slices of {list(global_shape)} give {list(local)}, not local_shape {p.get('local_shape')}")
+        init = _checked_init(p.get("init"), where)
+        placements = p.get("placements", {})
+        if not isinstance(placements, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in placements.items()):
+            fail(where, "placements must map mesh dimensions to placements")
+        return ParamSpec(fqn=p["fqn"], global_shape=global_shape, local_shape=local, placements=placements,
+                         slices=tuple(tuple(cut) for cut in slices), init=init,
+                         dtype=check_str(p.get("dtype", "float32"), where, "dtype"))
+
+
+def _checked_init(init, where: str) -> dict:
+    if not isinstance(init, dict) or init.get("kind") not in INIT_KINDS:
+        fail(where, f"unknown init {init!r}")
+    for key in ("std", "a", "b"):
+        if key in init and (not isinstance(init[key], (int, float)) or not math.isfinite(init[key])):
+            fail(where, f"init {key} is not a finite number")
+    if init["kind"] in ("normal", "trunc_normal") and not 0 < init.get("std", -1) < 1e3:
+        fail(where, "init std out of range")
+    if init["kind"] == "trunc_normal" and not init.get("a", 1) < init.get("b", 0):
+        fail(where, "trunc_normal needs a < b")
+    return init
+
+
+@dataclass(kw_only=True, frozen=True)
+class RankRecord:
+    params: tuple[ParamSpec, ...]
+    """The parameter inputs' table, in forward-input order."""
+    forward_inputs: tuple[GraphInput, ...]
+    static_input_indices: tuple[int, ...]
+    """The forward inputs that keep their address across steps (the parameters)."""
+    saved_activations: int
+    """Values the forward returns after the loss, for the backward."""
+    saved_bytes: int
+    backward_outputs: tuple[str | None, ...]
+    """Per forward input, the parameter whose gradient the backward returns there (None: none)."""
+    bucket_plan: tuple[dict, ...] = ()
+    """The collectives the bucketing pass merged (titan-show lists them)."""
+    rank: int | None = None
+    coords: dict[str, int] | None = None
+    """The rank and its mesh coordinates: set in a traced or bound record, not in a stored one."""
+    forward_graph: str | None = None
+    backward_graph: str | None = None
+    """The sha256 of the program's graphs: set once they are stored."""
+    grad_reductions_owed: dict = field(default_factory=dict)
+    """Always {}: every data- and tensor-parallel reduction is inside the backward graph."""
+
+    @property
+    def param_fqns(self) -> list[str]:
+        return [p.fqn for p in self.params]
+
+    def to_json(self) -> dict:
+        d = {} if self.rank is None else {"rank": self.rank, "coords": self.coords}
+        d.update(params=[p.to_json() for p in self.params], forward_inputs=[i.to_json() for i in self.forward_inputs],
+                 static_input_indices=list(self.static_input_indices), saved_activations=self.saved_activations,
+                 saved_bytes=self.saved_bytes, backward_outputs=list(self.backward_outputs),
+                 grad_reductions_owed=self.grad_reductions_owed, bucket_plan=list(self.bucket_plan))
+        if self.forward_graph is not None:
+            d.update(forward_graph=self.forward_graph, backward_graph=self.backward_graph)
+        return d
+
+    @staticmethod
+    def from_json(meta, where: str) -> RankRecord:
+        """A rank's record (its slices bound), checked: well formed and self-consistent."""
+        if not isinstance(meta, dict):
+            fail(where, "rank metadata must be a map")
+        inputs = meta.get("forward_inputs")
+        if not isinstance(inputs, list):
+            fail(where, "'forward_inputs' must be a list")
+        kinds = [i.get("kind") if isinstance(i, dict) else None for i in inputs]
+        if kinds.count("tokens") != 1 or kinds.count("labels") != 1 or any(k not in INPUT_KINDS for k in kinds):
+            fail(where, "forward inputs must be parameters plus one tokens and one labels input")
+        params = meta.get("params")
+        if not isinstance(params, list) or len(params) != kinds.count("param"):
+            fail(where, "'params' does not match the parameter inputs")
+        params = tuple(ParamSpec.from_json(p, where) for p in params)
+        fqns = [i.get("fqn") for i in inputs if i["kind"] == "param"]
+        if fqns != [p.fqn for p in params]:
+            fail(where, "parameter inputs and 'params' name different parameters")
+        saved = check_int(meta.get("saved_activations"), f"{where} saved_activations", 0, 1 << 20)
+        outs = meta.get("backward_outputs")
+        if outs != [i.get("fqn") if i["kind"] == "param" else None for i in inputs]:
+            fail(where, "'backward_outputs' does not match the forward inputs")
+        if meta.get("grad_reductions_owed") != {}:
+            fail(where, "this runtime performs no gradient reductions outside the graph")
+        static = meta.get("static_input_indices")
+        if not isinstance(static, list):
+            fail(where, "'static_input_indices' must list forward inputs")
+        for i in static:
+            check_int(i, f"{where} static_input_indices", 0, len(inputs) - 1)
+        plan = meta.get("bucket_plan", [])
+        if not isinstance(plan, list) or not all(isinstance(b, dict) for b in plan):
+            fail(where, "'bucket_plan' must be a list of buckets")
+        graphs = [meta.get(f"{kind}_graph") for kind in ("forward", "backward")]
+        if not all(g is None or isinstance(g, str) for g in graphs):
+            fail(where, "graph digests must be strings")
+        coords = meta.get("coords")
+        if coords is not None and (not isinstance(coords, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) for k, v in coords.items())):
+            fail(where, f"coordinates {coords!r} are not a mesh place")
+        rank = meta.get("rank")
+        return RankRecord(params=params, forward_inputs=tuple(GraphInput(kind=i["kind"], fqn=i.get("fqn"))
+                                                               for i in inputs),
+                          static_input_indices=tuple(static), saved_activations=saved,
+                          saved_bytes=check_int(meta.get("saved_bytes"), f"{where} saved_bytes", 0, 1 << 62),
+                          backward_outputs=tuple(outs), bucket_plan=tuple(plan),
+                          rank=None if rank is None else check_int(rank, f"{where} rank", 0, 1 << 16),
+                          coords=coords, forward_graph=graphs[0], backward_graph=graphs[1])
+
+
+def bind_program(meta, *, rank: int, layout: Layout, where: str, what: str) -> RankRecord:
+    """A stored program's metadata bound to `rank`: its coordinates, and each parameter slice
+    cut at this rank's coordinate on the dimension the slice names; then checked. `what` names
+    the file (for a record that is not a record at all)."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("params"), list):
+        raise ArtifactError(f"{what} is malformed; rebuild with titan-build")
+    coords = layout.coordinates(rank)
+    mesh_coords = {name: coords[name] for name, _ in layout.mesh_shape()}
+    try:
+        params = bound_params(meta["params"], mesh_coords, dict(layout.mesh_shape()), where)
+    except ValueError as e:
+        raise ArtifactError(f"{e}; rebuild with titan-build") from None
+    return RankRecord.from_json(dict(meta, rank=rank, coords=coords, params=params), where)
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _outputs(gm: fx.GraphModule) -> tuple:
+    return next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+
+def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.GraphModule, where: str, *,
+                 rank: int, layout: Layout, graph_hashes: dict[str, str]) -> None:
+    """The record belongs to this rank and describes these two graphs (`graph_hashes`: the
+    sha256 of the forward and backward blobs the manifest gave this rank)."""
+    for kind, digest in graph_hashes.items():
+        if getattr(record, f"{kind}_graph") != digest:
+            # A program's metadata describes its own graphs: mixing programs trains wrong.
+            fail(where, f"the manifest gives this rank a {kind} graph that is not its program's "
+                        "(a rank must never run another program's graph)")
+    if record.coords != layout.coordinates(rank):
+        fail(where, f"coordinates {record.coords!r} are not rank {rank}'s place in the mesh")
+    inputs, saved = record.forward_inputs, record.saved_activations
+    fw_in = _placeholders(forward)
+    if len(fw_in) != len(inputs):
+        fail(where, f"forward graph takes {len(fw_in)} inputs, metadata lists {len(inputs)}")
+    shapes = iter(list(p.local_shape) for p in record.params)
+    for node, inp in zip(fw_in, inputs):
+        val = node.meta.get("titan_val")
+        if inp.kind == "param" and (not isinstance(val, dict) or val.get("shape") != next(shapes)):
+            fail(where, f"forward input {node.name} does not have the shape of parameter {inp.fqn}")
+    if len(_outputs(forward)) != saved + 1:
+        fail(where, f"forward graph returns {len(_outputs(forward))} values, expected loss + {saved} saved")
+    if len(_placeholders(backward)) != saved + 1:
+        fail(where, f"backward graph takes {len(_placeholders(backward))} inputs, expected {saved} saved + 1")
+    if len(_outputs(backward)) != len(inputs):
+        fail(where, f"backward graph returns {len(_outputs(backward))} values for {len(inputs)} forward inputs")
