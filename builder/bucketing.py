@@ -24,6 +24,7 @@ import torch.fx as fx
 from titan.builder.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, Collective, collectives
 from titan.builder.fx_graph import emit, hoist_ancestors, module_path, stable_toposort
 from titan.builder.passes import PassContext
+from titan.runtime.contract.rank_record import Bucket
 
 aten = torch.ops.aten
 
@@ -67,12 +68,12 @@ def _flat_contiguous(graph: fx.Graph, x: fx.Node, shape: list[int]) -> fx.Node:
 def _record(ctx: PassContext, kind: str, bucket: list[Collective], names: list[str | None], n: int, world: int,
             dtype: torch.dtype) -> None:
     first = bucket[0].start
-    ctx.plan.append({
-        "graph": ctx.graph, "kind": kind, "group": ctx.mesh_dims[bucket[0].group],
-        "block": ctx.model.block_of(module_path(first)), "params": [p or module_path(c.start) for p, c in zip(names, bucket)],
-        "elements": n, "dtype": str(dtype).removeprefix("torch."),
-        "bytes": n * world * torch.empty((), dtype=dtype).element_size(),
-    })
+    ctx.plan.append(Bucket(
+        graph=ctx.graph, kind=kind, group=ctx.mesh_dims[bucket[0].group],
+        block=ctx.model.block_of(module_path(first)), params=tuple(p or module_path(c.start) for p, c in zip(names, bucket)),
+        elements=n, dtype=str(dtype).removeprefix("torch."),
+        bytes=n * world * torch.empty((), dtype=dtype).element_size(),
+    ))
 
 
 def _erase(graph: fx.Graph, bucket: list[Collective]) -> None:

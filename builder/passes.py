@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
     from titan.builder.models.spec import ModelSpec
+    from titan.runtime.contract.rank_record import Bucket
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,7 +31,7 @@ class PassContext:
     """Per graph input: the parameter it holds, else None."""
     output_names: list[str | None]
     """Per graph output: the parameter whose gradient it is, else None."""
-    plan: list[dict] = field(default_factory=list)
+    plan: list[Bucket] = field(default_factory=list)
     """Bucket records the passes add (the rank's bucket plan)."""
 
 

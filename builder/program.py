@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import msgpack
 
-from titan.runtime.contract.bindings import SLICE_DIMS
+from titan.runtime.contract.bindings import SLICE_DIMS, Binding
 from titan.runtime.contract.graph_doc import BIND, read_doc
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.rank_record import RankRecord
@@ -116,7 +116,7 @@ class _Unifier:
             if base + sum(a * c[d] for d, a in coef.items()) != v:
                 raise NotOneProgram(f"{where} is not an affine function of the coordinates")
         self.bindings += 1
-        return {BIND: {"base": base, "coef": coef}}
+        return {BIND: Binding(base=base, coef=coef).to_json()}
 
     def graph(self, blobs: list[bytes], kind: str) -> bytes:
         """The probes' graphs as one; the traced bytes themselves when nothing binds."""

@@ -161,7 +161,7 @@ def test_bucket_all_gather_merges_a_blocks_fsdp_gathers_into_one_on_a_flat_buffe
         wait_tensor_2 = wait_tensor(all_gather_into_tensor_2)
         mm_1 = mm(mul, wait_tensor_2)
         """)
-    assert ctx.plan == [
+    assert [b.to_json() for b in ctx.plan] == [
         {"graph": "forward", "kind": "all_gather", "group": "dp_shard", "block": "layers.0", "params": ["p0", "p1"],
          "elements": 34, "dtype": "float32", "bytes": 2 * 34 * 4},
         {"graph": "forward", "kind": "all_gather", "group": "dp_shard", "block": "layers.1", "params": ["p2"],
@@ -196,8 +196,8 @@ def test_bucket_reduce_scatter_merges_a_blocks_gradient_reductions_into_one():
         view_4 = view(slice_1, [2])
         """)
     assert output_names(gm) == ["view_3", "view_4"]
-    assert [(b["kind"], b["block"], b["params"], b["elements"]) for b in ctx.plan] == [
-        ("reduce_scatter", "layers.0", ["p0", "p1"], 34)]
+    assert [(b.kind, b.block, b.params, b.elements) for b in ctx.plan] == [
+        ("reduce_scatter", "layers.0", ("p0", "p1"), 34)]
 
 
 # -- Overlap ------------------------------------------------------------------------------------

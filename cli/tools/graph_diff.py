@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from titan.runtime.artifact import Artifact
 from titan.runtime.contract.bindings import bind_value
 from titan.runtime.contract.graph_doc import BIND, GROUP, NODE, read_doc
-from titan.runtime.contract.rank_record import RankRecord
+from titan.runtime.contract.rank_record import Bucket, RankRecord
 
 CATEGORIES = ("manifest", "rank metadata", "static inputs", "bucket plan", "op targets", "inserted", "removed",
               "constants", "bindings", "shapes", "collectives", "wiring")
@@ -116,16 +116,16 @@ def _dict_diff(a: dict, b: dict, where: str, category: str, prefix: str = "") ->
     return out
 
 
-def _bucket_key(b: dict) -> tuple:
-    return (b["graph"], b["kind"], b["group"], b["block"])
+def _bucket_key(b: Bucket) -> tuple:
+    return (b.graph, b.kind, b.group, b.block)
 
 
-def _bucket_text(b: dict) -> str:
-    return (f"{b['graph']} {b['kind'].replace('_', '-')} bucket on {b['group']} for {b['block']}: "
-            f"{len(b['params'])} params, {b['elements']:,} elements {b['dtype']}")
+def _bucket_text(b: Bucket) -> str:
+    return (f"{b.graph} {b.kind.replace('_', '-')} bucket on {b.group} for {b.block}: "
+            f"{len(b.params)} params, {b.elements:,} elements {b.dtype}")
 
 
-def _plan_diff(a: list[dict], b: list[dict]) -> list[Difference]:
+def _plan_diff(a: list[Bucket], b: list[Bucket]) -> list[Difference]:
     ka, kb = {_bucket_key(x): x for x in a}, {_bucket_key(x): x for x in b}
     out = []
     for key in [k for k in ka if k not in kb]:
@@ -133,9 +133,9 @@ def _plan_diff(a: list[dict], b: list[dict]) -> list[Difference]:
     for key in [k for k in kb if k not in ka]:
         out.append(Difference("rank", "bucket plan", f"added {_bucket_text(kb[key])}", module=key[3]))
     for key in [k for k in ka if k in kb and ka[k] != kb[k]]:
-        x, y = ka[key], kb[key]
-        changed = [f"{f}: {_short(x[f])} -> {_short(y[f])}" for f in sorted(x) if x[f] != y.get(f)]
-        out.append(Difference("rank", "bucket plan", f"changed {_bucket_text(x)}: {'; '.join(changed)}",
+        x, y = ka[key].to_json(), kb[key].to_json()
+        changed = [f"{f}: {_short(x[f])} -> {_short(y[f])}" for f in sorted(x) if x[f] != y[f]]
+        out.append(Difference("rank", "bucket plan", f"changed {_bucket_text(ka[key])}: {'; '.join(changed)}",
                               module=key[3]))
     return out
 

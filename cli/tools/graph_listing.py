@@ -4,7 +4,7 @@ inputs and outputs named from the rank metadata. Reads graph documents only (no 
 from __future__ import annotations
 
 from titan.runtime.artifact import Artifact
-from titan.runtime.contract.bindings import bind_value
+from titan.runtime.contract.bindings import Binding
 from titan.runtime.contract.graph_doc import BIND, DEVICE, DTYPE, GROUP, NODE, TUPLE, read_doc
 from titan.runtime.contract.rank_record import RankRecord
 
@@ -24,8 +24,9 @@ def _fmt_val(val) -> str:
 
 def _fmt_bind(spec: dict, coords: dict[str, int]) -> str:
     """A bound value as this rank sees it, and where it comes from: '1024 (= 0 + 1024*tp)'."""
-    terms = " + ".join([str(spec["base"])] + [f"{a}*{d}" for d, a in spec["coef"].items()])
-    return f"{bind_value(spec, coords, 'titan-show')} (= {terms})"
+    binding = Binding.from_json(spec, "titan-show")
+    terms = " + ".join([str(binding.base)] + [f"{a}*{d}" for d, a in binding.coef.items()])
+    return f"{binding.value(coords, 'titan-show')} (= {terms})"
 
 
 def _fmt_arg(a, coords: dict[str, int]) -> str:
@@ -99,12 +100,12 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
 
 def list_bucket_plan(meta: RankRecord, kind: str) -> list[str]:
     """The rank's collective buckets in this graph (from the bucketing passes), one per line."""
-    plan = [b for b in meta.bucket_plan if b["graph"] == kind]
+    plan = [b for b in meta.bucket_plan if b.graph == kind]
     if not plan:
         return [f"bucket plan ({kind}): none (every collective on its own)"]
     lines = [f"bucket plan ({kind}): {len(plan)} buckets"]
     for b in plan:
-        lines.append(f"  {b['kind'].replace('_', '-'):<14} on {b['group']:<12} {b['block']:<16} "
-                     f"{len(b['params']):>3} params {b['elements']:>13,} elements {b['dtype']:<9} "
-                     f"{b['bytes'] / 2**20:>9.2f} MiB: {', '.join(p.removeprefix(b['block'] + '.') for p in b['params'])}")
+        lines.append(f"  {b.kind.replace('_', '-'):<14} on {b.group:<12} {b.block:<16} "
+                     f"{len(b.params):>3} params {b.elements:>13,} elements {b.dtype:<9} "
+                     f"{b.bytes / 2**20:>9.2f} MiB: {', '.join(p.removeprefix(b.block + '.') for p in b.params)}")
     return lines

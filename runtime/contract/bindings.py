@@ -7,7 +7,10 @@ never from anything the artifact says about the rank. Every bound value is range
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from titan.runtime.contract.graph_doc import MAX_ELEMENTS, GraphFormatError
+
 # Mesh dimensions that cut parameter slices, in the order the slices apply (tensor-parallel
 # first, then FSDP on dim 0 of that slice).
 SLICE_DIMS = ("tp", "dp_shard")
@@ -19,20 +22,38 @@ def _bounded_int(v, where: str) -> int:
     return v
 
 
+@dataclass(kw_only=True, frozen=True)
+class Binding:
+    """An integer of a program bound at load (a graph value {"$bind": binding}): worth
+    base + sum(coef[dim] * coordinate[dim]) at a rank's mesh coordinates."""
+    base: int
+    coef: dict[str, int]
+
+    def to_json(self) -> dict:
+        return {"base": self.base, "coef": self.coef}
+
+    @staticmethod
+    def from_json(spec, where: str) -> Binding:
+        if not isinstance(spec, dict) or set(spec) != {"base", "coef"} or not isinstance(spec["coef"], dict):
+            raise GraphFormatError(f"{where}: malformed binding {spec!r}")
+        return Binding(base=_bounded_int(spec["base"], where),
+                       coef={dim: _bounded_int(a, where) for dim, a in spec["coef"].items()})
+
+    def value(self, coords: dict[str, int], where: str) -> int:
+        value = self.base
+        for dim, coef in self.coef.items():
+            if dim not in coords:
+                raise GraphFormatError(f"{where}: binding on {dim!r}, which is not a mesh dimension here "
+                                       f"({', '.join(coords) or 'none'})")
+            value += coef * coords[dim]
+        return _bounded_int(value, where)
+
+
 def bind_value(spec, coords: dict[str, int] | None, where: str) -> int:
-    """The value of a binding {"base": b, "coef": {mesh dim: a}} at `coords`:
-    b + sum(a * coords[dim])."""
+    """The value of the binding `spec` (as a graph stores it) at `coords`, checked."""
     if coords is None:
         raise GraphFormatError(f"{where}: the graph binds rank coordinates; load it for a rank")
-    if not isinstance(spec, dict) or set(spec) != {"base", "coef"} or not isinstance(spec["coef"], dict):
-        raise GraphFormatError(f"{where}: malformed binding {spec!r}")
-    value = _bounded_int(spec["base"], where)
-    for dim, coef in spec["coef"].items():
-        if dim not in coords:
-            raise GraphFormatError(f"{where}: binding on {dim!r}, which is not a mesh dimension here "
-                                   f"({', '.join(coords) or 'none'})")
-        value += _bounded_int(coef, where) * coords[dim]
-    return _bounded_int(value, where)
+    return Binding.from_json(spec, where).value(coords, where)
 
 
 def bound_params(params: list, coords: dict[str, int], sizes: dict[str, int], where: str) -> list:

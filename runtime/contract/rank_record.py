@@ -98,6 +98,37 @@ def _checked_init(init, where: str) -> dict:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Bucket:
+    """Collectives of one block that a bucketing pass merged into one (titan-show lists them)."""
+    graph: str
+    """"forward" or "backward"."""
+    kind: str
+    """"all_gather" or "reduce_scatter"."""
+    group: str
+    """The mesh dimension it runs on."""
+    block: str
+    params: tuple[str, ...]
+    elements: int
+    """Elements per rank."""
+    dtype: str
+    bytes: int
+    """The gathered / reduced size."""
+
+    def to_json(self) -> dict:
+        return {"graph": self.graph, "kind": self.kind, "group": self.group, "block": self.block,
+                "params": list(self.params), "elements": self.elements, "dtype": self.dtype, "bytes": self.bytes}
+
+    @staticmethod
+    def from_json(b, where: str) -> Bucket:
+        where = f"{where} bucket plan"
+        if not isinstance(b, dict) or not isinstance(b.get("params"), list):
+            fail(where, "a bucket must be a map with its parameters")
+        return Bucket(**{k: check_str(b.get(k), where, k) for k in ("graph", "kind", "group", "block", "dtype")},
+                      params=tuple(check_str(p, where, "parameter") for p in b["params"]),
+                      elements=check_int(b.get("elements"), where), bytes=check_int(b.get("bytes"), where, 0, 1 << 62))
+
+
+@dataclass(kw_only=True, frozen=True)
 class RankRecord:
     params: tuple[ParamSpec, ...]
     """The parameter inputs' table, in forward-input order."""
@@ -109,8 +140,8 @@ class RankRecord:
     saved_bytes: int
     backward_outputs: tuple[str | None, ...]
     """Per forward input, the parameter whose gradient the backward returns there (None: none)."""
-    bucket_plan: tuple[dict, ...] = ()
-    """The collectives the bucketing pass merged (titan-show lists them)."""
+    bucket_plan: tuple[Bucket, ...] = ()
+    """The collectives the bucketing passes merged, in graph order."""
     rank: int | None = None
     coords: dict[str, int] | None = None
     """The rank and its mesh coordinates: set in a traced or bound record, not in a stored one."""
@@ -129,7 +160,7 @@ class RankRecord:
         d.update(params=[p.to_json() for p in self.params], forward_inputs=[i.to_json() for i in self.forward_inputs],
                  static_input_indices=list(self.static_input_indices), saved_activations=self.saved_activations,
                  saved_bytes=self.saved_bytes, backward_outputs=list(self.backward_outputs),
-                 grad_reductions_owed=self.grad_reductions_owed, bucket_plan=list(self.bucket_plan))
+                 grad_reductions_owed=self.grad_reductions_owed, bucket_plan=[b.to_json() for b in self.bucket_plan])
         if self.forward_graph is not None:
             d.update(forward_graph=self.forward_graph, backward_graph=self.backward_graph)
         return d
@@ -164,7 +195,7 @@ class RankRecord:
         for i in static:
             check_int(i, f"{where} static_input_indices", 0, len(inputs) - 1)
         plan = meta.get("bucket_plan", [])
-        if not isinstance(plan, list) or not all(isinstance(b, dict) for b in plan):
+        if not isinstance(plan, list):
             fail(where, "'bucket_plan' must be a list of buckets")
         graphs = [meta.get(f"{kind}_graph") for kind in ("forward", "backward")]
         if not all(g is None or isinstance(g, str) for g in graphs):
@@ -178,7 +209,7 @@ class RankRecord:
                                                                for i in inputs),
                           static_input_indices=tuple(static), saved_activations=saved,
                           saved_bytes=check_int(meta.get("saved_bytes"), f"{where} saved_bytes", 0, 1 << 62),
-                          backward_outputs=tuple(outs), bucket_plan=tuple(plan),
+                          backward_outputs=tuple(outs), bucket_plan=tuple(Bucket.from_json(b, where) for b in plan),
                           rank=None if rank is None else check_int(rank, f"{where} rank", 0, 1 << 16),
                           coords=coords, forward_graph=graphs[0], backward_graph=graphs[1])
 
