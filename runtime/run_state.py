@@ -153,7 +153,7 @@ class RunState:
                 "layout": m.layout.as_dict(), "world_size": m.world_size, "dtype": m.dtype,
                 "batch_size": m.batch_size, "seq_len": m.seq_len, "seed": cfg.seed, "data": cfg.data,
                 "lr": cfg.lr, "torch_version": m.torch_version, "hf_config": hf_config,
-                RECORD: m.hf_checkpoint, "settings": self._settings()}
+                RECORD: None if m.hf_checkpoint is None else m.hf_checkpoint.to_json(), "settings": self._settings()}
 
     def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW) -> Path | None:
         """Checkpoint every --checkpoint-every steps and at the last step (collective); returns

@@ -51,9 +51,14 @@ class HFRecord:
                         names=d["names"], tied_names=d["tied_names"], rope_permuted=d["rope_permuted"])
 
 
-def hf_record(source: dict, where: str) -> HFRecord:
-    """The record of a manifest or checkpoint description, checked."""
-    if source.get(RECORD) is None:
+def required(record: HFRecord | None, where: str) -> HFRecord:
+    """`record`, which a Hugging Face checkpoint of the model needs (None: the model has none)."""
+    if record is None:
         raise ValueError(f"{where}: this model has no Hugging Face counterpart in titan (or the artifact predates "
                          "it); rebuild the artifact with titan-build")
-    return HFRecord.from_json(source[RECORD], where)
+    return record
+
+
+def hf_record(source: dict, where: str) -> HFRecord:
+    """The record of a checkpoint description, checked."""
+    return required(None if source.get(RECORD) is None else HFRecord.from_json(source[RECORD], where), where)

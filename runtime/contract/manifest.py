@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan.runtime.contract.checks import (ArtifactError, check_int, check_rel_path, check_str, fail)
-from titan.runtime.contract.hf_record import RECORD, HFRecord, hf_record
+from titan.runtime.contract.hf_record import RECORD, HFRecord, required
 from titan.runtime.contract.layout import MESH_DIMS, Layout
 
 ARTIFACT_FORMAT = "titan-artifact"
@@ -58,8 +58,9 @@ class Manifest:
     torch_version: str
     builder_version: str
     passes: tuple[str, ...]
-    hf_checkpoint: dict | None
-    """The Hugging Face record (hf_record.py), checked where it is used; None: no counterpart."""
+    hf_checkpoint: HFRecord | None
+    """What --init-from-hf and titan-export need of the model; None: it has no Hugging Face
+    counterpart."""
     created: str
     name: str
     cache_key: str
@@ -87,8 +88,8 @@ class Manifest:
         return self.programs[self.rank_programs[rank]]
 
     def hf_record(self, where: str) -> HFRecord:
-        """The Hugging Face record, checked (ValueError naming `where` if there is none)."""
-        return hf_record({RECORD: self.hf_checkpoint}, where)
+        """The Hugging Face record (ValueError naming `where` if the model has none)."""
+        return required(self.hf_checkpoint, where)
 
     def to_json(self) -> dict:
         d = {"format": ARTIFACT_FORMAT, "format_version": ARTIFACT_VERSION, "model": self.model,
@@ -96,7 +97,7 @@ class Manifest:
              "mesh": [list(d) for d in self.layout.mesh_shape()], "world_size": self.world_size,
              "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": self.dtype, "ac": self.ac,
              "param_dtype": self.param_dtype, "torch_version": self.torch_version,
-             "builder_version": self.builder_version, "passes": list(self.passes), RECORD: self.hf_checkpoint,
+             "builder_version": self.builder_version, "passes": list(self.passes), RECORD: None if self.hf_checkpoint is None else self.hf_checkpoint.to_json(),
              "created": self.created, "name": self.name, "cache_key": self.cache_key,
              "programs": [p.to_json() for p in self.programs], "rank_programs": list(self.rank_programs),
              "files": self.files}
@@ -159,9 +160,10 @@ def _checked(m: dict) -> Manifest:
     if not isinstance(passes, list) or not all(isinstance(p, str) for p in passes):
         fail(where, "'passes' must list pass names")
     described = {key: check_str(m.get(key), where, key) for key in DESCRIBED}
+    hf = None if m.get(RECORD) is None else HFRecord.from_json(m[RECORD], where)
     return Manifest(**described, model_config=cfg, layout=layout, world_size=world, batch_size=m["batch_size"],
                     seq_len=m["seq_len"], torch_version=m["torch_version"], passes=tuple(passes),
-                    hf_checkpoint=m.get(RECORD), files=files, kernels=kernels,
+                    hf_checkpoint=hf, files=files, kernels=kernels,
                     programs=tuple(ProgramFiles(meta=p["meta"], forward=p["forward"], backward=p["backward"])
                                    for p in programs),
                     rank_programs=tuple(assignment))
