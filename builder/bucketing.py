@@ -70,7 +70,8 @@ def _record(ctx: PassContext, kind: str, bucket: list[Collective], names: list[s
     first = bucket[0].start
     ctx.plan.append(Bucket(
         graph=ctx.graph, kind=kind, group=ctx.mesh_dims[bucket[0].group],
-        block=ctx.model.block_of(module_path(first)), params=tuple(p or module_path(c.start) for p, c in zip(names, bucket)),
+        block=ctx.model.block_of(module_path(first)),
+        params=tuple(p or module_path(c.start) for p, c in zip(names, bucket)),
         elements=n, dtype=str(dtype).removeprefix("torch."),
         bytes=n * world * torch.empty((), dtype=dtype).element_size(),
     ))

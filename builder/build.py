@@ -261,7 +261,8 @@ def _cached_trace(cache: Cache, record: dict):
 
     meta = RankRecord.from_json(json.loads(cache.read_blob(record["meta"])), f"cached rank {record['rank']}")
     return Trace(rank=record["rank"], forward=cache.read_blob(record["forward"]),
-                 backward=cache.read_blob(record["backward"]), meta=replace(meta, forward_graph=None, backward_graph=None))
+                 backward=cache.read_blob(record["backward"]),
+                 meta=replace(meta, forward_graph=None, backward_graph=None))
 
 
 def _store_program(cache: Cache, program) -> dict:

@@ -106,7 +106,6 @@ class Artifact:
     def rank_record(self, rank: int) -> RankRecord:
         """The program's metadata bound to this rank and checked (once per rank)."""
         if rank not in self._records:
-            self.rank_coordinates(rank)  # in range
             self._records[rank] = bind_program(
                 self.program_json(rank), rank=rank, layout=self.layout, where=f"{self.root} rank {rank}",
                 what=f"{self.root}: program metadata {self.rank_entry(rank).meta}")

@@ -41,7 +41,8 @@ class RunState:
     a run, made by every rank (spawned by titan-run or by torchrun) and by titan-run before it
     spawns them, so that a mistake is one line. Then serves the state hooks."""
 
-    def __init__(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...], *, device: torch.device | None = None):
+    def __init__(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...], *,
+                 device: torch.device | None = None):
         self.cfg, self.manifest, self.params, self.device = cfg, manifest, params, device
         self.hf = None
         self.resume_from: Path | None = None

@@ -97,7 +97,8 @@ class Manifest:
              "mesh": [list(d) for d in self.layout.mesh_shape()], "world_size": self.world_size,
              "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": self.dtype, "ac": self.ac,
              "param_dtype": self.param_dtype, "torch_version": self.torch_version,
-             "builder_version": self.builder_version, "passes": list(self.passes), RECORD: None if self.hf_checkpoint is None else self.hf_checkpoint.to_json(),
+             "builder_version": self.builder_version, "passes": list(self.passes),
+             RECORD: None if self.hf_checkpoint is None else self.hf_checkpoint.to_json(),
              "created": self.created, "name": self.name, "cache_key": self.cache_key,
              "programs": [p.to_json() for p in self.programs], "rank_programs": list(self.rank_programs),
              "files": self.files}
