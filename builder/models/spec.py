@@ -49,7 +49,7 @@ class Flavors(Mapping[str, ModelConfig]):
 
 
 def lazy(module: str, name: str) -> Callable:
-    """`module.name`, imported at the first call: a spec names its torch code without importing it."""
+    """`module.name`, imported when called: a spec names its torch code without importing it."""
     def call(*args, **kwargs):
         return getattr(importlib.import_module(module), name)(*args, **kwargs)
     call.__qualname__ = f"{module}.{name}"
