@@ -9,11 +9,11 @@ from pathlib import Path
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import POSITIVE, Command, NonEmptyPath
+from titan.cli.errors import Command
+from titan.cli.options import POSITIVE, NonEmptyPath
 
 
-@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command)
 @click.option("--model", default="llama3", show_default=True, help="Model family.")
 @click.option("--flavor", default=None, help="Model size: debug, 1B, 8B (default), 70B, 405B.")
 @click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (with sequence parallel).")
@@ -45,7 +45,6 @@ from titan.cli.options import POSITIVE, Command, NonEmptyPath
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
               "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
-@user_errors
 def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
          replace, jobs, cache_dir, explain, kernels):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import Group, NonEmptyPath
+from titan.cli.errors import Group
+from titan.cli.options import NonEmptyPath
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -48,7 +48,7 @@ def _ago(ts: float) -> str:
     return f"{s:.0f}s ago"
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group)
 @click.option("--cache-dir", default=None, type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
 @click.pass_context
@@ -78,7 +78,6 @@ def _kernel_line(cache) -> str:
 
 @main.command("ls")
 @click.pass_context
-@user_errors
 def ls_cmd(ctx):
     """Entries: key, model and layout, batch shape, other non-default choices (dtype, AC,
     passes), torch release, ranks, distinct blobs, size, last use."""
@@ -111,7 +110,6 @@ def ls_cmd(ctx):
 @main.command("info")
 @click.argument("key")
 @click.pass_context
-@user_errors
 def info_cmd(ctx, key):
     """Factors and programs of one entry (KEY may be a unique prefix)."""
     cache = _cache(ctx)
@@ -130,7 +128,6 @@ def info_cmd(ctx, key):
 @click.option("--remove", is_flag=True, help="Delete corrupt blobs, tampered records and planted files, and the "
               "entries that use them.")
 @click.pass_context
-@user_errors
 def verify_cmd(ctx, remove):
     """Re-hash every blob and compiled kernel, authenticate every record, and look for what
     titan never makes (links, special files); exit 1 if anything is wrong."""
@@ -172,7 +169,6 @@ def _default_root() -> Path:
 @click.option("--older-than", default=None,
               help="Remove entries, and compiled kernels, unused for longer than this (e.g. 7d, 12h).")
 @click.pass_context
-@user_errors
 def gc_cmd(ctx, max_size, older_than):
     """Remove entries by size and/or age (entries being built are never removed); --older-than
     also removes compiled kernels by their last use (--max-size counts builds only)."""

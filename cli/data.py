@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import Command, NonEmptyPath
+from titan.cli.errors import Command
+from titan.cli.options import NonEmptyPath
 
 
-@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command)
 @click.argument("texts", nargs=-1, required=True, type=NonEmptyPath(dir_okay=False, path_type=Path))
 @click.option("-o", "--out", required=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Token file to write (its sidecar goes to OUT.json).")
@@ -24,7 +24,6 @@ from titan.cli.options import Command, NonEmptyPath
                    "if it has one; 'none' for no separator).")
 @click.option("--documents", default="file", show_default=True, type=click.Choice(["file", "line"]),
               help="What one document is: a whole text file, or each non-empty line.")
-@user_errors
 def main(texts, out, tokenizer_path, tiktoken_spec, eos, documents):
     """Tokenize TEXTS (UTF-8 files, in order) into OUT for titan-run --data OUT."""
     from titan.cli.tools.token_file import load_tokenizer, write_token_file

@@ -10,20 +10,19 @@ import time
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import NON_NEGATIVE, Command
+from titan.cli.errors import Command
+from titan.cli.options import NON_NEGATIVE
 
 GRAPHS = {"fw": ("forward",), "bw": ("backward",), "all": ("forward", "backward")}
 
 
-@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command)
 @click.argument("artifacts", nargs=-1, required=True, type=click.Path(file_okay=False))
 @click.option("--ranks", nargs=2, type=NON_NEGATIVE, default=None, help="Two ranks of one artifact.")
 @click.option("--rank", type=NON_NEGATIVE, default=0, show_default=True, help="The rank to compare across two builds.")
 @click.option("--graph", "graph", default="all", show_default=True, type=click.Choice(list(GRAPHS)))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--max-lines", default=200, show_default=True, type=click.IntRange(min=0), help="Detail lines shown.")
-@user_errors
 def main(artifacts, ranks, rank, graph, as_json, max_lines):
     """titan-diff ART --ranks A B  |  titan-diff ART1 ART2 [--rank R]"""
     from titan.cli.tools.graph_diff import diff_ranks

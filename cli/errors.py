@@ -1,40 +1,60 @@
-"""One way for every command to report what the user got wrong: one line, exit status 2.
+"""How every titan command reports what the user got wrong: one `error: ... <how to fix>` line on
+stderr and exit status 2, never click's usage block or a traceback.
 
-(Ctrl-C is handled before any command code runs: titan/cli/__init__.py.)"""
+`Command` and `Group` (the class of every titan click command) turn into that line both click's
+usage errors (a missing argument, an unknown option, a value outside its type) and what a
+command raises for bad input: ValueError (ArtifactError, bad layouts, bad options), OSError (a
+path that cannot be used) and RecursionError (an input nested too deeply). Both answer -h as
+--help. (Ctrl-C is handled before any command code runs: titan/cli/__init__.py.)
+"""
 
 from __future__ import annotations
 
-import functools
+import os
 import sys
 
 import click
 
 
-def _one_line_usage_error(self, file=None) -> None:
-    """click's usage errors (wrong type, unknown option, missing argument) as one line, like
-    every other user error, instead of a usage block."""
-    cmd = self.ctx.command_path if self.ctx is not None else "the command"
-    click.echo(f"error: {self.format_message()} (see {cmd} --help)", err=True)
+class _OneLineErrors:
+    def __init__(self, *args, context_settings: dict | None = None, **kwargs):
+        settings = {"help_option_names": ["-h", "--help"], **(context_settings or {})}
+        super().__init__(*args, context_settings=settings, **kwargs)
 
-
-click.exceptions.UsageError.show = _one_line_usage_error
-
-
-def user_errors(fn):
-    """Turn ValueError (ArtifactError, bad layouts, bad options) into `error: ...` and exit 2."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def main(self, args=None, prog_name=None, **kwargs):
+        kwargs.pop("standalone_mode", None)
         try:
-            return fn(*args, **kwargs)
+            code = super().main(args, prog_name, standalone_mode=False, **kwargs)
+        except click.ClickException as e:
+            message = e.format_message().replace("\n", " ").rstrip(".")
+            _fail(f"{message[:1].lower()}{message[1:]}; see {prog_name or _program()} --help")
         except ValueError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+            _fail(str(e))
         except RecursionError:
-            click.echo("error: an input nests too deeply to be read; check the files you gave", err=True)
-            sys.exit(2)
-        except OSError as e:  # a path the checks above did not anticipate (unreadable, full disk, /proc)
+            _fail("an input nests too deeply to be read; check the files you gave")
+        except OSError as e:  # a path the commands' own checks did not anticipate (unreadable, full disk, /proc)
             where = f" {e.filename}" if getattr(e, "filename", None) else ""
-            click.echo(f"error: cannot use{where}: {e.strerror or e}; check the path and its permissions "
-                       "(and free space)", err=True)
-            sys.exit(2)
-    return wrapper
+            _fail(f"cannot use{where}: {e.strerror or e}; check the path and its permissions (and free space)")
+        except click.Abort:
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+def _program() -> str:
+    """titan-run for the console script and for `python -m titan.cli.run` alike."""
+    name = os.path.basename(sys.argv[0])
+    return f"titan-{name[:-3]}" if name.endswith(".py") else name
+
+
+class Command(_OneLineErrors, click.Command):
+    """A titan command: usage and input errors as one `error:` line, exit 2."""
+
+
+class Group(_OneLineErrors, click.Group):
+    """A titan command group (titan-cache): usage and input errors, its subcommands' included,
+    as one `error:` line, exit 2."""

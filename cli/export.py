@@ -6,17 +6,16 @@ from pathlib import Path
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import Command, NonEmptyPath
+from titan.cli.errors import Command
+from titan.cli.options import NonEmptyPath
 
 
-@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command)
 @click.argument("checkpoint", type=NonEmptyPath(file_okay=False))
 @click.option("--hf", "out", required=True, type=NonEmptyPath(file_okay=False),
               help="New directory for config.json + model.safetensors.")
 @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]),
               help="Element type of the written weights (the checkpoint holds fp32).")
-@user_errors
 def main(checkpoint, out, dtype):
     """Write CHECKPOINT (a --checkpoint-dir, for its latest step, or one step-N directory) in
     Hugging Face's Llama layout."""

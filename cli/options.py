@@ -1,47 +1,16 @@
-"""Option values checked where they are read, for every command: one `error:` line, exit 2.
+"""The option types of the titan commands: values checked where they are read (a bad one is a
+click usage error, which cli/errors.py reports as one `error:` line, exit 2).
 
-`Command` / `Group` make click's own usage errors (a missing argument, an unknown option, a
-value outside its type) one line in the form every other titan error has, instead of click's
-usage block. The types refuse what click's would let through: NaN and infinities in a float
-range (every comparison with NaN is false, so click.FloatRange admits it) and the empty path
-(which the filesystem reads as the current directory).
+They refuse what click's own types would let through: NaN and infinities in a float range
+(every comparison with NaN is false, so click.FloatRange admits it) and the empty path (which
+the filesystem reads as the current directory).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import click
-
-
-class _OneLineErrors:
-    def main(self, args=None, prog_name=None, **kwargs):
-        kwargs.pop("standalone_mode", None)
-        try:
-            code = super().main(args, prog_name, standalone_mode=False, **kwargs)
-        except click.ClickException as e:
-            message = e.format_message().replace("\n", " ").rstrip(".")
-            click.echo(f"error: {message[:1].lower()}{message[1:]}; see {prog_name or _program()} --help", err=True)
-            sys.exit(2)
-        except click.Abort:
-            sys.exit(130)
-        sys.exit(code if isinstance(code, int) else 0)
-
-
-def _program() -> str:
-    """titan-run for the console script and for `python -m titan.cli.run` alike."""
-    name = os.path.basename(sys.argv[0])
-    return f"titan-{name[:-3]}" if name.endswith(".py") else name
-
-
-class Command(_OneLineErrors, click.Command):
-    """A titan command: click's usage errors as one `error:` line, exit 2."""
-
-
-class Group(_OneLineErrors, click.Group):
-    """A titan command group (titan-cache): click's usage errors as one `error:` line, exit 2."""
 
 
 class FiniteFloat(click.ParamType):

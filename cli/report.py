@@ -6,20 +6,19 @@ from pathlib import Path
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import Command, NonEmptyPath
+from titan.cli.errors import Command
+from titan.cli.options import NonEmptyPath
 
 PLOT_HINT = "pip install -e '.[watch]' from a clone (or: pip install matplotlib)"
 # Panel size in inches at DPI: the PNG is 800 px wide and 250 px high per panel.
 PANEL_W, PANEL_H, DPI = 8.0, 2.5, 100
 
 
-@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command)
 @click.argument("metrics", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--out", default=None, type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="PNG to write: loss, tokens/s and (when recorded) peak memory over steps.")
 @click.option("--summary", "show_summary", is_flag=True, help="Print steps, first/last/min loss, median tokens/s.")
-@user_errors
 def main(metrics, out, show_summary):
     """Plot METRICS (a titan-run --metrics file) into a PNG and/or print a summary."""
     from titan.runtime.metrics_file import read_metrics, summary

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, Command, NonEmptyPath
+from titan.cli.errors import Command
+from titan.cli.options import LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, NonEmptyPath
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
 
 
-@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command)
 @click.argument("artifact", type=NonEmptyPath(file_okay=False))
 @click.option("--steps", default=20, show_default=True, type=NON_NEGATIVE,
               help="Train up to this step (counted from the start, also when resuming); 0 with --checkpoint-dir "
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 @click.option("--resume", is_flag=True, help="Continue from the latest complete checkpoint in --checkpoint-dir.")
 @click.option("--resume-with-changes", is_flag=True,
               help="With --resume: accept a --seed, --data or --lr other than the checkpoint's.")
-@user_errors
 def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, tensorboard, device, deterministic,
          timeout_s, cuda_graphs, fused_adamw, init_from_hf, checkpoint_dir, checkpoint_every, resume,
          resume_with_changes):

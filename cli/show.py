@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import NON_NEGATIVE, Command
+from titan.cli.errors import Command
+from titan.cli.options import NON_NEGATIVE
 
 
-@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command)
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--rank", type=NON_NEGATIVE, default=0, show_default=True)
 @click.option("--graph", default="all", show_default=True, type=click.Choice(["fw", "bw", "all"]))
-@user_errors
 def main(artifact, rank, graph):
     """List the forward and/or backward graph of one rank."""
     from titan.cli.tools.graph_listing import list_graph

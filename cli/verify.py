@@ -10,11 +10,11 @@ import time
 
 import click
 
-from titan.cli.errors import user_errors
-from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, Command, NonEmptyPath
+from titan.cli.errors import Command
+from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, NonEmptyPath
 
 
-@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command)
 @click.argument("artifact", type=NonEmptyPath(file_okay=False))
 @click.option("--steps", default=10, show_default=True, type=POSITIVE)
 @click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE)
@@ -30,7 +30,6 @@ from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, Command, NonEmptyPa
               help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
 @click.option("--json", "json_path", default=None, type=NonEmptyPath(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
-@user_errors
 def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
     launcher = "RANK" not in os.environ

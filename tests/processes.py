@@ -1,7 +1,10 @@
-"""The live processes of this machine, as the fault and interrupt tests look for those a run left."""
+"""Processes as the tests start ranks and look for what a run left: torchrun's environment for
+local ranks, and the live processes of this machine."""
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -24,3 +27,14 @@ def children(pid: int) -> list[int]:
 def session_pids(sid: int) -> list[int]:
     """The live (not zombie) processes of session `sid`."""
     return [pid for pid, fields in process_stats() if int(fields[3]) == sid and fields[0] != "Z"]
+
+
+def torchrun_envs(world_size: int, **extra: str) -> list[dict[str, str]]:
+    """The environment torchrun gives each of `world_size` ranks on this host (a free port for
+    their rendezvous), plus `extra`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
+            for rank in range(world_size)]

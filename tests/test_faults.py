@@ -7,22 +7,15 @@ from __future__ import annotations
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from conftest import titan
-from processes import children, process_stats
+from processes import children, process_stats, torchrun_envs
 
 SINGLE = ("--flavor", "debug")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(stream_path: Path, text: str, timeout: float) -> None:
@@ -36,11 +29,8 @@ def _wait_for(stream_path: Path, text: str, timeout: float) -> None:
 
 def test_killed_rank_makes_its_peer_exit_with_a_clear_error(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
-    port = _port()
     procs, logs = [], []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    for rank, env in enumerate(torchrun_envs(2, PYTHONUNBUFFERED="1")):
         out, err = tmp_path / f"out{rank}", tmp_path / f"err{rank}"
         logs.append((out, err))
         procs.append(subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(art), "--steps", "100000",

@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import titan
 from processes import session_pids
 

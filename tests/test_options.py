@@ -6,13 +6,13 @@ rank started by torchrun checks the run's options as titan-run does."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from conftest import titan
+from processes import torchrun_envs
 
 ART = "{art}"  # replaced by the session's debug tp=2 artifact
 
@@ -82,11 +82,7 @@ def test_tiktoken_spec_with_a_tokenizer_json_is_refused(tmp_path):
 def test_a_torchrun_rank_refuses_a_mismatched_batch_size_as_titan_run_does(debug_artifact):
     art = debug_artifact()  # one rank: world size 1 under torchrun's variables
     spawned = _one_error(titan("run", art, "--batch-size", 4))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    [env] = torchrun_envs(1)
     rank = subprocess.run([sys.executable, "-m", "titan.cli.run", str(art), "--batch-size", "4"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert _one_error(rank) == spawned

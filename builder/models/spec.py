@@ -48,11 +48,13 @@ class Flavors(Mapping[str, ModelConfig]):
         return len(self.shapes)
 
 
-def lazy(module: str, name: str) -> Callable:
-    """`module.name`, imported at the first call: a spec names its torch code without importing it."""
+def lazy(target: str) -> Callable:
+    """The function or class 'module:name' (as graph passes name theirs), imported when called:
+    a spec names its torch code without importing it."""
     def call(*args, **kwargs):
+        module, name = target.split(":")
         return getattr(importlib.import_module(module), name)(*args, **kwargs)
-    call.__qualname__ = f"{module}.{name}"
+    call.__qualname__ = target
     return call
 
 

@@ -44,7 +44,7 @@ def region_kind(module: str) -> str | None:
 SPEC = ModelSpec(
     name="deepseek_v3",
     flavors=FLAVORS,
-    build=lazy("titan.builder.models.deepseek_v3.model", "DeepSeekV3"),
+    build=lazy("titan.builder.models.deepseek_v3.model:DeepSeekV3"),
     tp_plan=_tp_plan,
     init_specs=init_specs,
     check_layout=check_layout,

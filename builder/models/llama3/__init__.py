@@ -15,8 +15,8 @@ from titan.builder.models.spec import ModelSpec, lazy
 SPEC = ModelSpec(
     name="llama3",
     flavors=FLAVORS,
-    build=lazy("titan.builder.models.llama3.model", "Llama3"),
-    tp_plan=lazy("titan.builder.models.llama3.tp_plan", "tp_plan"),
+    build=lazy("titan.builder.models.llama3.model:Llama3"),
+    tp_plan=lazy("titan.builder.models.llama3.tp_plan:tp_plan"),
     init_specs=init_specs,
     check_layout=check_layout,
     region_kind=region_kind,
