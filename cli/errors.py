@@ -27,7 +27,7 @@ class _OneLineErrors:
             code = super().main(args, prog_name, standalone_mode=False, **kwargs)
         except click.ClickException as e:
             message = e.format_message().replace("\n", " ").rstrip(".")
-            _fail(f"{message[:1].lower()}{message[1:]}; see {prog_name or _program()} --help")
+            _fail(f"{message[:1].lower()}{message[1:]}; see {_command_path(e, prog_name or _program())} --help")
         except ValueError as e:
             _fail(str(e))
         except RecursionError:
@@ -46,9 +46,20 @@ def _fail(message: str) -> None:
 
 
 def _program() -> str:
-    """titan-run for the console script and for `python -m titan.cli.run` alike."""
+    """titan-run for the console script and for `python -m titan.cli.run` alike (titan for the group)."""
     name = os.path.basename(sys.argv[0])
-    return f"titan-{name[:-3]}" if name.endswith(".py") else name
+    if not name.endswith(".py"):
+        return name
+    return "titan" if name == "titan.py" else f"titan-{name[:-3]}"
+
+
+def _command_path(e: click.ClickException, program: str) -> str:
+    """The command that went wrong as the user typed it: `titan-cache ls`, `titan run`."""
+    names, ctx = [], getattr(e, "ctx", None)
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join([program, *reversed(names)])
 
 
 class Command(_OneLineErrors, click.Command):

@@ -9,6 +9,7 @@ the filesystem reads as the current directory).
 from __future__ import annotations
 
 import math
+import sys
 
 import click
 
@@ -49,3 +50,13 @@ NON_NEGATIVE = click.IntRange(min=0)
 SEED = click.IntRange(min=0, max=2**63 - 1)
 LEARNING_RATE = FiniteFloat(0.0)
 TIMEOUT = FiniteFloat(1.0, inclusive=True)
+
+
+COMMAND_ARGS = "titan.command_args"
+"""Where the `titan` group leaves a subcommand's own arguments (click's ctx.meta)."""
+
+
+def command_args() -> list[str]:
+    """The arguments this command was given: what ranks it spawns (`python -m titan.cli.run`)
+    are given, whether it ran as titan-run or as `titan run`."""
+    return click.get_current_context().meta.get(COMMAND_ARGS, sys.argv[1:])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import click
 
 from titan.cli.errors import Command
-from titan.cli.options import LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, NonEmptyPath
+from titan.cli.options import LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, NonEmptyPath, command_args
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
@@ -110,7 +110,7 @@ def launch(art, cfg, *, started: float) -> int:
         _check_gpus(art.world_size, cfg.device)
     from titan.runtime.launch import spawn_local
     os.environ["TITAN_RUN_STARTED"] = repr(started)  # rank 0 records the start-up time from here
-    return spawn_local("titan.cli.run", sys.argv[1:], art.world_size)
+    return spawn_local("titan.cli.run", command_args(), art.world_size)
 
 
 def _check_gpus(world_size: int, device: str) -> None:

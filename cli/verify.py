@@ -11,7 +11,7 @@ import time
 import click
 
 from titan.cli.errors import Command
-from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, NonEmptyPath
+from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, NonEmptyPath, command_args
 
 
 @click.command(cls=Command)
@@ -53,7 +53,7 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
     from titan.runtime.run_state import RunState
     RunState(cfg, art.manifest, art.rank_record(0).params).close()  # the run's checks (--data), once
     from titan.runtime.launch import spawn_local
-    code = spawn_local("titan.cli.verify", sys.argv[1:], art.world_size)
+    code = spawn_local("titan.cli.verify", command_args(), art.world_size)
     if code in (0, 1):  # finished (equal or not)
         timings.record("verify", key, time.perf_counter() - t0)
     sys.exit(code)

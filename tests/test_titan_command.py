@@ -1,0 +1,44 @@
+"""One `titan` command group: `titan NAME ...` is the titan-NAME script, the same command with
+the same arguments, output, errors and exit status."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from importlib.metadata import entry_points
+
+from conftest import titan
+from titan.cli.titan import SUBCOMMANDS
+
+# The commands as installed (pyproject.toml's [project.scripts]).
+SCRIPTS = {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.dist.name == "titan-aot"}
+
+
+def test_every_titan_script_is_a_titan_subcommand_of_the_same_command():
+    scripts = {name.removeprefix("titan-"): target for name, target in SCRIPTS.items() if name != "titan"}
+    assert set(scripts) == set(SUBCOMMANDS)
+    for name, target in scripts.items():
+        module, attr = target.split(":")
+        assert SUBCOMMANDS[name] is getattr(importlib.import_module(module), attr), name
+    assert SCRIPTS["titan"] == "titan.cli.titan:main"
+
+
+def test_a_user_error_is_the_same_line_named_by_the_command_typed(tmp_path):
+    grouped, script = titan("titan", "run", tmp_path), titan("run", tmp_path)
+    assert grouped.returncode == script.returncode == 2
+    assert grouped.stderr == script.stderr
+    assert grouped.stderr.count("\n") == 1 and grouped.stderr.startswith("error: ")
+    unknown = titan("titan", "cache", "ls", "--bogus")
+    assert (unknown.returncode, unknown.stderr) == (2, "error: no such option '--bogus'; see titan cache ls --help\n")
+
+
+def _losses(stdout: str) -> list[str]:
+    return re.findall(r"loss (\S+)", stdout)
+
+
+def test_titan_run_spawns_its_ranks_with_its_own_arguments(debug_artifact):
+    art = debug_artifact(tp=2)
+    grouped, script = titan("titan", "run", art, "--steps", 2), titan("run", art, "--steps", 2)
+    assert grouped.returncode == script.returncode == 0, grouped.stderr
+    assert len(_losses(grouped.stdout)) == 2
+    assert _losses(grouped.stdout) == _losses(script.stdout)
