@@ -1,6 +1,7 @@
 """titan-build's pipeline: validate -> cache lookup -> trace the probe ranks (in parallel
-processes) -> one program with rank bindings (builder/program.py) -> store in the cache ->
-export the artifact.
+processes; a model deeper than 6 layers at 3-5 layers only, builder/deep_program.py) -> one
+program with rank bindings (builder/program.py) -> store in the cache -> export the artifact
+(builder/export.py).
 
 Nothing on the cache-hit path imports torch (the tracer is imported only on a miss)."""
 
@@ -10,11 +11,8 @@ import concurrent.futures as cf
 import hashlib
 import json
 import multiprocessing as mp
-import os
 import queue
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,12 +22,13 @@ from titan.builder import rank_progress
 from titan.builder.cache import Cache
 from titan.builder.cache_key import build_factors, describe_differences, digest, rank_factors
 from titan.builder.checkpointing import AC_POLICIES
+from titan.builder.export import export_artifact
 from titan.builder.layout import check_layout
 from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes import check_passes, default_passes
 from titan.runtime import interrupt
-from titan.runtime.artifact import ArtifactError, installed_torch_version
+from titan.runtime.artifact import installed_torch_version
 from titan.runtime.contract.hf_record import RECORD
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.manifest import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, Manifest
@@ -68,6 +67,9 @@ class BuildSpec:
     """Activation checkpointing policy (builder/checkpointing.py)."""
     graph_passes: tuple[str, ...]
     """Passes applied after partitioning, in order (builder/passes.py)."""
+    n_layers: int | None = None
+    """The flavor with this many layers instead of its own (tests of deep models at debug
+    widths); part of the model config, so of the cache key."""
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -79,7 +81,8 @@ class BuildSpec:
 
     @property
     def cfg(self) -> ModelConfig:
-        return self.model_spec.flavors[self.flavor]
+        cfg = self.model_spec.flavors[self.flavor]
+        return cfg if self.n_layers is None else replace(cfg, n_layers=self.n_layers)
 
     @property
     def name(self) -> str:
@@ -182,13 +185,18 @@ class BuildOutcome:
     """Why it missed ('' on a hit)."""
     traced: list[int]
     """Ranks traced by this call."""
+    traces: int = 0
+    """Traces made by this call (a rank may be traced at several depths: builder/stamp.py)."""
     note: str = ""
-    """Why the ranks are not one program (empty when they are, or on a hit)."""
+    """How the build deviated from one program fitted from shallow traces (empty when it did
+    not, or on a hit)."""
 
 
-def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int, str], None]):
-    """Yield RankResults as ranks finish, each traced in a fresh process (see trace.py); the
-    processes report their stages (rank_progress.py), passed on to `on_stage` meanwhile."""
+def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int, str], None], *,
+           depths: Callable[[int], tuple[int | None, ...]] = lambda rank: (None,)):
+    """Yield RankResults as ranks finish, each rank traced (at each of its `depths`) in a fresh
+    process (see trace.py); the processes report their stages (rank_progress.py), passed on to
+    `on_stage` meanwhile."""
     from titan.builder.trace import RankJob, trace_rank
 
     if not ranks:
@@ -207,8 +215,7 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
     with interrupt.children_ignore_ctrl_c():  # the pool's threads and every worker they start inherit it
         pool = cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
                                       max_tasks_per_child=1, initializer=rank_progress.attach, initargs=(stages,))
-        pending = {pool.submit(trace_rank, RankJob(build=spec, rank=r))
-                   for r in ranks}
+        pending = {pool.submit(trace_rank, RankJob(build=spec, rank=r, depths=depths(r))) for r in ranks}
     with pool:
         while pending:
             finished, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
@@ -218,7 +225,7 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
                 except queue.Empty:
                     break
             for fut in finished:
-                yield fut.result()
+                yield from fut.result()
     forget()
 
 
@@ -275,53 +282,67 @@ def _store_program(cache: Cache, program) -> dict:
 
 
 class _Tracer:
-    """Traces ranks for one build, reusing ranks a killed build of the same key finished."""
+    """Traces ranks for one build, reusing ranks a killed build of the same key finished.
+    `traces` and `keys` are by (rank, depth); depth None is the flavor's own."""
 
     def __init__(self, spec: BuildSpec, cache: Cache, factors: dict, jobs: int, stage, progress):
         self.spec, self.cache, self.factors, self.jobs = spec, cache, factors, jobs
         self.stage, self.progress = stage, progress
         self.traces: dict = {}
-        self.keys: dict[int, str] = {}
-        self.traced: list[int] = []
+        self.keys: dict[tuple[int, int | None], str] = {}
+        self.traced: list[tuple[int, int | None]] = []
 
-    def trace(self, ranks: list[int]) -> None:
+    def _factors(self, rank: int, depth: int | None) -> dict:
+        return rank_factors(self.factors, self.spec.layout.coordinates(rank), depth=depth)
+
+    def trace(self, ranks: list[int], depths: Callable[[int], tuple[int | None, ...]] = lambda rank: (None,)) -> None:
         from titan.builder.program import Trace
 
-        todo = []
+        todo: dict[int, tuple] = {}
         for r in ranks:
-            rank_factors_r = rank_factors(self.factors, self.spec.layout.coordinates(r))
-            self.keys[r] = digest(rank_factors_r)
-            record = self.cache.get_rank(self.keys[r])
-            if record is None:
-                todo.append(r)
-                self.stage(r, "queued")
-            else:
-                self.traces[r] = _cached_trace(self.cache, record)
-                self.stage(r, "cache hit")
-        for res in _trace(self.spec, todo, self.jobs, self.stage):
+            for d in depths(r):
+                self.keys[r, d] = digest(self._factors(r, d))
+                record = self.cache.get_rank(self.keys[r, d])
+                if record is None:
+                    todo[r] = todo.get(r, ()) + (d,)
+                else:
+                    self.traces[r, d] = _cached_trace(self.cache, record)
+            self.stage(r, "queued" if r in todo else "cache hit")
+        for res in _trace(self.spec, list(todo), self.jobs, self.stage, depths=todo.__getitem__):
             self.stage(res.rank, "writing")
             with interrupt.deferred():  # a rank's record goes in whole or not at all
-                _store_rank(self.cache, self.keys[res.rank],
-                            rank_factors(self.factors, self.spec.layout.coordinates(res.rank)), res)
-            self.traces[res.rank] = Trace(rank=res.rank, forward=res.forward, backward=res.backward, meta=res.meta)
-            self.traced.append(res.rank)
-            self.stage(res.rank, "done")
+                _store_rank(self.cache, self.keys[res.rank, res.depth], self._factors(res.rank, res.depth), res)
+            self.traces[res.rank, res.depth] = Trace(rank=res.rank, forward=res.forward, backward=res.backward,
+                                                     meta=res.meta)
+            self.traced.append((res.rank, res.depth))
+            if res.depth == todo[res.rank][-1]:
+                self.stage(res.rank, "done")
             self.progress(res)
 
 
-def _programs(tracer: _Tracer, layout: Layout) -> tuple[list, list[int], str]:
-    """(programs, program index per rank, why the ranks are not one program or '')."""
+def _programs(tracer: _Tracer, spec: BuildSpec) -> tuple[list, list[int], str]:
+    """(programs, program index per rank, a note on how the build deviated from one program
+    fitted from shallow traces, or '')."""
+    from titan.builder.deep_program import deep_program, stampable
     from titan.builder.program import NotOneProgram, one_program, probe_ranks, program_classes
+    from titan.builder.stamp import NotStampable
 
+    layout = spec.layout
     probes = probe_ranks(layout)
+    note = ""
+    if stampable(spec):
+        try:
+            return [deep_program(tracer, spec, probes)], [0] * layout.world_size, ""
+        except (NotStampable, NotOneProgram) as e:
+            note = f"the shallow traces do not extrapolate ({e}): traced at full depth; "
     tracer.trace(probes)
     try:
-        program = one_program(layout, [tracer.traces[r] for r in probes])
-        return [program], [0] * layout.world_size, ""
+        program = one_program(layout, [tracer.traces[r, None] for r in probes])
+        return [program], [0] * layout.world_size, note.removesuffix("; ")
     except NotOneProgram as e:
-        tracer.trace([r for r in range(layout.world_size) if r not in tracer.traces])
-        programs, assignment = program_classes(layout, list(tracer.traces.values()))
-        return programs, assignment, f"{e}: traced every rank"
+        tracer.trace([r for r in range(layout.world_size) if (r, None) not in tracer.traces])
+        programs, assignment = program_classes(layout, [t for (r, d), t in tracer.traces.items() if d is None])
+        return programs, assignment, f"{note}the ranks are not one program ({e}): traced every rank"
 
 
 def _manifest_fields(spec: BuildSpec, factors: dict) -> dict:
@@ -383,48 +404,33 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
     try:
         entry, reason = cache.get_entry(key)
         traced: list[int] = []
+        traces = 0
         if entry is None:
             on_miss(reason)
             tracer = _Tracer(spec, cache, factors, jobs, stage, progress)
-            programs, assignment, note = _programs(tracer, spec.layout)
+            programs, assignment, note = _programs(tracer, spec)
+            traced_ranks = sorted({r for r, _ in tracer.traces})
             entry = {"key": key, "factors": factors,
                      # The traced ranks' records: a rebuild after a lost entry reuses them.
-                     "ranks": [tracer.keys[r] for r in sorted(tracer.traces)],
+                     "ranks": [tracer.keys[t] for t in sorted(tracer.traces, key=_trace_order)],
                      "programs": [_store_program(cache, p) for p in programs], "rank_programs": assignment,
-                     "traced_ranks": sorted(tracer.traces), "note": note,
+                     "traced_ranks": traced_ranks, "traces": len(tracer.traces), "note": note,
                      "manifest": _manifest_fields(spec, factors), "created_ts": time.time()}
             with interrupt.deferred():
                 cache.put_entry(key, entry)
-            traced = tracer.traced
+            traced = sorted({r for r, _ in tracer.traced})
+            traces = len(tracer.traced)
         cache.touch(key)
         manifest = export_artifact(cache, entry, out)
     finally:
         lock.release()
-    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason, traced=sorted(traced),
+    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason, traced=traced, traces=traces,
                         note=entry.get("note", "") if reason else "")
 
 
-def export_kernels(cache: Cache, kernels: dict[str, str], out: Path, files: dict[str, str]) -> dict[str, str]:
-    """Copy the compiled regions an entry records (titan-build --kernels) into the artifact:
-    kernel key -> kernels/<sha256>.kernel, each listed in `files` with its digest."""
-    if not kernels:
-        return {}
-    from titan.runtime.kernel_store import MAX_KERNEL_BYTES, KernelStore
-
-    store = KernelStore(cache.root / "kernels").store
-    out_map = {}
-    for key, sha in sorted(kernels.items()):
-        rel = f"kernels/{sha}.kernel"
-        if rel not in files:
-            try:
-                data = store.read_blob(sha, max_size=MAX_KERNEL_BYTES, what="kernel")
-            except ValueError:
-                continue  # gone from the store (gc): titan-run compiles that region, or rerun --kernels
-            (out / "kernels").mkdir(exist_ok=True)
-            (out / rel).write_bytes(data)
-            files[rel] = sha
-        out_map[key] = rel
-    return out_map
+def _trace_order(key: tuple[int, int | None]) -> tuple[int, int]:
+    rank, depth = key
+    return rank, -1 if depth is None else depth
 
 
 def check_replaceable(spec: BuildSpec, out: Path) -> None:
@@ -443,53 +449,3 @@ def check_replaceable(spec: BuildSpec, out: Path) -> None:
     if diffs:
         raise ValueError(f"{out} holds another build ({'; '.join(diffs)}); pass --replace to replace it, "
                          "or --out DIR to write this one elsewhere")
-
-
-def export_artifact(cache: Cache, entry: dict, out: Path) -> Manifest:
-    """Copy an entry's blobs into a self-contained artifact directory (written beside `out`,
-    then moved into place), so that it runs on a machine without the cache."""
-    out = out.resolve()
-    if out.exists() and not (out / MANIFEST).is_file():
-        raise ArtifactError(f"{out} exists and is not a titan artifact; choose another --out")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as e:
-        raise ArtifactError(f"cannot write the artifact to {out.parent}: {e.strerror or e}; choose another --out") from None
-    forget = interrupt.on_interrupt(lambda: shutil.rmtree(tmp, ignore_errors=True))
-    try:
-        files: dict[str, str] = {}
-
-        def put(rel: str, sha: str) -> str:
-            if rel not in files:
-                path = tmp / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(cache.read_blob(sha))
-                files[rel] = sha
-            return rel
-
-        programs = [{"meta": put(f"programs/{p['meta']}.json", p["meta"]),
-                     "forward": put(f"graphs/{p['forward']}.tgraph", p["forward"]),
-                     "backward": put(f"graphs/{p['backward']}.tgraph", p["backward"])}
-                    for p in entry["programs"]]
-        kernels = export_kernels(cache, entry.get("kernels", {}), tmp, files)
-        # The build's fields (recorded in its cache entry) and this copy's files, checked as
-        # the runtime will check them.
-        manifest = Manifest.from_json(dict(entry["manifest"], name=out.name, cache_key=entry["key"], programs=programs,
-                                           rank_programs=entry["rank_programs"], files=files, kernels=kernels), out)
-        (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1))
-        with interrupt.deferred():  # the old artifact or the new one at `out`, never neither
-            if out.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-                os.replace(out, old / "previous")
-                os.replace(tmp, out)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, out)
-        return manifest
-    except OSError as e:
-        raise ArtifactError(f"cannot write the artifact to {out}: {e.strerror or e}; free space there or choose "
-                            "another --out") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        forget()

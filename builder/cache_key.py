@@ -44,8 +44,9 @@ def build_factors(spec) -> dict:
     }
 
 
-def rank_factors(build: dict, coords: dict[str, int]) -> dict:
-    return dict(build, **{"rank coordinates": coords})
+def rank_factors(build: dict, coords: dict[str, int], *, depth: int | None = None) -> dict:
+    """A traced rank's factors; `depth` when it was traced with fewer layers than the flavor's."""
+    return dict(build, **{"rank coordinates": coords}, **({} if depth is None else {"traced depth": depth}))
 
 
 def digest(factors: dict) -> str:

@@ -52,7 +52,7 @@ def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict
 def add_kernels(cache: Cache, key: str, out: Path) -> tuple[Manifest, object]:
     """Compile the entry's kernels, record them in the entry and re-export the artifact (built
     from the entry at `out`); returns (manifest, FusionStats)."""
-    from titan.builder.build import export_artifact
+    from titan.builder.export import export_artifact
     from titan.runtime.artifact import open_artifact
 
     lock = cache.lock(key)

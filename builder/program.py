@@ -75,14 +75,14 @@ def probe_ranks(layout: Layout) -> list[int]:
     return sorted({rank_of(layout, c) for c in probes})
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     """Equal values of equal types (msgpack keeps True apart from 1; so do we)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     return a == b
 
 
@@ -99,7 +99,7 @@ class _Unifier:
 
     def merge(self, values: list, where: str):
         first = values[0]
-        if all(_same(first, v) for v in values[1:]):
+        if all(same_value(first, v) for v in values[1:]):
             return first
         if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             return self._bind(values, where)
@@ -164,7 +164,7 @@ def one_program(layout: Layout, probes: list[Trace]) -> Program:
     """The program of every rank, from the probe ranks' traces; NotOneProgram if they differ
     in more than coordinate bindings."""
     metas = [program_meta(t.meta, layout) for t in probes]
-    if any(not _same(m.to_json(), metas[0].to_json()) for m in metas[1:]):
+    if any(not same_value(m.to_json(), metas[0].to_json()) for m in metas[1:]):
         raise NotOneProgram("the probe ranks' metadata differs beyond their coordinates")
     unifier = _Unifier(layout, probes)
     forward = unifier.graph([t.forward for t in probes], "forward")

@@ -38,11 +38,16 @@ class RankJob:
     """What is built: model, layout, batch shape, partitioner, dtype, AC policy, passes."""
     rank: int
     """Rank to trace."""
+    depths: tuple[int | None, ...] = (None,)
+    """Trace the model at each of these depths (None: the flavor's own; builder/stamp.py
+    fits deep programs from shallow ones), one after the other in this process."""
 
 
 @dataclass(kw_only=True)
 class RankResult:
     rank: int
+    depth: int | None
+    """The depth traced (None: the flavor's own)."""
     forward: bytes
     backward: bytes
     meta: RankRecord
@@ -102,60 +107,70 @@ def module_provenance(model: torch.nn.Module):
             h.remove()
 
 
-def trace_rank(job: RankJob) -> RankResult:
-    build, rank = job.build, job.rank
-    layout = build.layout
-    report(rank, "tracing")
-    t0 = time.perf_counter()
+def trace_rank(job: RankJob) -> list[RankResult]:
+    """Trace `job.rank` at each of `job.depths`: one process group and one mesh for all of them
+    (one rank, so DTensor's caches stay right; see the module docstring). A second mesh would
+    create new process groups, while DTensor's sharding cache, which compares meshes without
+    their group names, hands the traces the first mesh's collectives."""
+    layout = job.build.layout
+    report(job.rank, "tracing")
     if layout.world_size > 1:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=job.rank, world_size=layout.world_size)
     try:
         mesh = layout.build_mesh("cpu")
-        coords = layout.coordinates(rank)
-        family = build.model_spec
-        with torch.device("meta"):
-            model = family.build(build.cfg)
-        model.loss_scale = float(build.batch_size * build.seq_len * layout.dp_degree)
-        shards = parallelize(model, layout, mesh, coords, tp_plan=family.tp_plan,
-                             compute_dtype=getattr(torch, build.dtype))
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode:
-            model.to_empty(device="cpu")
-            tokens = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
-            labels = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(module_provenance(model))
-            joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels))
-            t_export = time.perf_counter()
-            report(rank, "partitioning")
-            gm = joint.graph_module
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
-            # The partitioners rewrite the joint graph in place: give them a copy.
-            joint_copy = copy_graph_module(gm)
-            tag_activation_checkpointing(joint_copy, build.ac, ac_block=family.ac_block)
-            fw, bw = PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=1)
-            t_partition = time.perf_counter()
-            groups = mesh_dims_by_group(mesh)
-            param_names = [inp.fqn for inp in joint_inputs if inp.kind != "tangent"]
-            fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=param_names,
-                                 output_names=[])
-            bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[],
-                                 output_names=param_names)
-            for name in build.graph_passes:
-                fw, bw = PASSES[name].fn(fw, ctx=fw_ctx), PASSES[name].fn(bw, ctx=bw_ctx)
-            t_passes = time.perf_counter()
-        # Encode after the export context (and its fake mode) has closed: constants are real.
-        report(rank, "writing")
-        fw_blob = encode_graph(fw, group_names=groups)
-        bw_blob = encode_graph(bw, group_names=groups)
-        meta = _rank_meta(job, family.init_specs(build.cfg), coords, shards, joint_inputs, fw, bw)
-        meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan))
-        t_end = time.perf_counter()
+        return [_trace_depth(job, mesh, depth) for depth in job.depths]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return RankResult(rank=rank, forward=fw_blob, backward=bw_blob, meta=meta,
+
+
+def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
+    build, rank = job.build, job.rank
+    layout = build.layout
+    t0 = time.perf_counter()
+    coords = layout.coordinates(rank)
+    family = build.model_spec
+    cfg = build.cfg if depth is None else replace(build.cfg, n_layers=depth)
+    with torch.device("meta"):
+        model = family.build(cfg)
+    model.loss_scale = float(build.batch_size * build.seq_len * layout.dp_degree)
+    shards = parallelize(model, layout, mesh, coords, tp_plan=family.tp_plan,
+                         compute_dtype=getattr(torch, build.dtype))
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        model.to_empty(device="cpu")
+        tokens = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
+        labels = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(module_provenance(model))
+        joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels))
+        t_export = time.perf_counter()
+        report(rank, "partitioning")
+        gm = joint.graph_module
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
+        # The partitioners rewrite the joint graph in place: give them a copy.
+        joint_copy = copy_graph_module(gm)
+        tag_activation_checkpointing(joint_copy, build.ac, ac_block=family.ac_block)
+        fw, bw = PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=1)
+        t_partition = time.perf_counter()
+        groups = mesh_dims_by_group(mesh)
+        param_names = [inp.fqn for inp in joint_inputs if inp.kind != "tangent"]
+        fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=param_names,
+                             output_names=[])
+        bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[],
+                             output_names=param_names)
+        for name in build.graph_passes:
+            fw, bw = PASSES[name].fn(fw, ctx=fw_ctx), PASSES[name].fn(bw, ctx=bw_ctx)
+        t_passes = time.perf_counter()
+    # Encode after the export context (and its fake mode) has closed: constants are real.
+    report(rank, "writing")
+    fw_blob = encode_graph(fw, group_names=groups)
+    bw_blob = encode_graph(bw, group_names=groups)
+    meta = _rank_meta(job, family.init_specs(cfg), coords, shards, joint_inputs, fw, bw)
+    meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan))
+    t_end = time.perf_counter()
+    return RankResult(rank=rank, depth=depth, forward=fw_blob, backward=bw_blob, meta=meta,
                       timings={"export_s": t_export - t0, "partition_s": t_partition - t_export,
                                "passes_s": t_passes - t_partition, "encode_s": t_end - t_passes})
 

@@ -82,7 +82,8 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
         t = res.timings
         meta = res.meta
         state = sum(math.prod(p.local_shape) for p in meta.params) * 16  # fp32 param, grad, 2 AdamW moments
-        shown.rank_done(f"  rank {res.rank}: done: traced in {t['export_s']:.1f} s, partitioned in "
+        depth = "" if res.depth is None else f" ({res.depth} layers)"
+        shown.rank_done(f"  rank {res.rank}{depth}: done: traced in {t['export_s']:.1f} s, partitioned in "
                         f"{t['partition_s']:.1f} s, passes {t['passes_s']:.1f} s; memory: {meta.saved_activations} "
                         f"saved activations {meta.saved_bytes / 2**30:.2f} GiB + params/grads/AdamW "
                         f"{state / 2**30:.2f} GiB")
@@ -117,8 +118,9 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     size = sum((out / rel).stat().st_size for rel in manifest.files)
     programs = len(manifest.programs)
     if outcome.note:
-        click.echo(f"note: the ranks are not one program ({outcome.note})")
-    traced = f"traced {len(outcome.traced)} rank(s) into " if outcome.traced else ""
+        click.echo(f"note: {outcome.note}")
+    shallow = f" in {outcome.traces} shallow traces" if outcome.traces > len(outcome.traced) else ""
+    traced = f"traced {len(outcome.traced)} rank(s){shallow} into " if outcome.traced else ""
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {traced}{programs} program{'s' * (programs > 1)} "
                f"for {world:,} ranks) in {time.perf_counter() - t0:.1f} s")
 
