@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import read_metrics, titan
+from conftest import param_spec, read_metrics, titan
 
 PROBE_RESHARD = """
 # Load a checkpoint into this artifact's layout and save it again, through the runtime's own
@@ -249,9 +249,9 @@ def test_only_real_rows_of_padded_shards_are_checkpointed():
     from titan.runtime.checkpoint import dcp_state
     from titan.runtime.train import make_optimizer
 
-    params = [dict(fqn="a", global_shape=[64, 32], slices=[[0, 3, 2]]),   # rows 44..63 of a 22-row chunk
-              dict(fqn="b", global_shape=[64, 32], slices=[[0, 48, 47]]),  # past the last row: empty
-              dict(fqn="c", global_shape=[64, 32], slices=[[0, 2, 1]])]    # even: the whole tensor
+    params = [param_spec("a", [64, 32], [[0, 3, 2]]),    # rows 44..63 of a 22-row chunk
+              param_spec("b", [64, 32], [[0, 48, 47]]),  # past the last row: empty
+              param_spec("c", [64, 32], [[0, 2, 1]])]    # even: the whole tensor
     tensors = [torch.zeros(22, 32), torch.zeros(2, 32), torch.zeros(32, 32)]
     state, boxes = dcp_state(params, tensors, make_optimizer(tensors, 0.0))
     assert sorted(state) == sorted(f"{family}.{fqn}" for family in FAMILIES for fqn in "ac")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import read_metrics, titan
+from conftest import param_spec, read_metrics, titan
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -164,7 +164,7 @@ def test_shards_that_cut_heads_read_the_right_rows(slices, hf_dir):
     for fqn, name, rows in (("layers.1.attention.wq.weight", "model.layers.1.self_attn.q_proj.weight", 256),
                             ("layers.0.attention.wk.weight", "model.layers.0.self_attn.k_proj.weight", 128)):
         full = full_hf[name].unflatten(0, (-1, 32))[:, titan_rows_from_hf(32)].flatten(0, 1)
-        param = dict(fqn=fqn, global_shape=[rows, 256], slices=slices, dtype="float32")
+        param = param_spec(fqn, [rows, 256], slices)
         assert torch.equal(ckpt.read_shard(param, device=torch.device("cpu")), shard_of(full, slices)), (fqn, slices)
     ckpt.close()
 
