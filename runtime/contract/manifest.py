@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan.runtime.contract.checks import (ArtifactError, check_int, check_rel_path, check_str, fail)
+from titan.runtime.contract.checks import ArtifactError, check_int, check_rel_path, check_str, fail
 from titan.runtime.contract.hf_record import RECORD, HFRecord, required
 from titan.runtime.contract.layout import MESH_DIMS, Layout
 
