@@ -3,7 +3,6 @@ leave nothing that is trusted, corruption is caught, misses are explained, gc is
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import time
 import filelock
 
 from conftest import read_metrics, titan
+from titan.runtime.artifact import open_artifact
 
 SINGLE = ("--flavor", "debug")
 
@@ -22,7 +22,7 @@ def _env(cache) -> dict:
 
 
 def _files(art) -> dict:
-    return json.loads((art / "manifest.json").read_text())["files"]
+    return open_artifact(art).manifest.files
 
 
 def test_second_build_is_a_hit_and_traces_nothing(tmp_path):
@@ -42,9 +42,9 @@ def test_second_build_is_a_hit_and_traces_nothing(tmp_path):
 def test_ranks_with_identical_graphs_share_blobs(tmp_path):
     r = titan("build", *SINGLE, "--dp-shard", 2, "--out", tmp_path / "a", env=_env(tmp_path / "cache"))
     assert r.returncode == 0, r.stderr
-    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert manifest["rank_programs"] == [0, 0] and len(manifest["programs"]) == 1
-    assert sum(rel.startswith("graphs/") for rel in manifest["files"]) == 2
+    manifest = open_artifact(tmp_path / "a").manifest
+    assert manifest.rank_programs == (0, 0) and len(manifest.programs) == 1
+    assert sum(rel.startswith("graphs/") for rel in manifest.files) == 2
 
 
 def test_concurrent_builders_of_one_key_trace_once(tmp_path):
@@ -131,7 +131,7 @@ def test_gc_by_age_and_size_skips_locked_entries(tmp_path):
     cache = tmp_path / "cache"
     for seq in (64, 128):
         assert titan("build", *SINGLE, "--seq-len", seq, "--out", tmp_path / f"s{seq}", env=_env(cache)).returncode == 0
-    keys = {json.loads((tmp_path / f"s{seq}" / "manifest.json").read_text())["cache_key"]: seq for seq in (64, 128)}
+    keys = {open_artifact(tmp_path / f"s{seq}").manifest.cache_key: seq for seq in (64, 128)}
     old_key = next(k for k, s in keys.items() if s == 64)
     new_key = next(k for k, s in keys.items() if s == 128)
     # Age the whole cache by two days, then use the seq-128 entry now.

@@ -7,6 +7,7 @@ import os
 import time
 
 from conftest import read_metrics, titan
+from titan.runtime.artifact import open_artifact
 
 
 def _fusion_line(stdout: str) -> str:
@@ -16,9 +17,9 @@ def _fusion_line(stdout: str) -> str:
 def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_artifact, tmp_path):
     # One rank: two ranks on one CPU share kernel keys and race to write them.
     art = debug_artifact(extra=("--fuse",))
-    manifest = json.loads((art / "manifest.json").read_text())
-    assert manifest["passes"][-1] == "fuse_blocks"  # what a bare --fuse selects
-    assert "fuse_exact" not in manifest["passes"]  # its regions are within --fuse's
+    passes = open_artifact(art).manifest.passes
+    assert passes[-1] == "fuse_blocks"  # what a bare --fuse selects
+    assert "fuse_exact" not in passes  # its regions are within --fuse's
     listing = titan("build", "--list-passes").stdout
     assert "fuse_blocks [CHANGES NUMERICS (opt-in)]" in listing and "fuse_regions [CHANGES NUMERICS (opt-in)]" in listing
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
@@ -74,7 +75,6 @@ def test_fused_regions_compile_once_then_load_and_stay_close_to_eager(debug_arti
 
 
 def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact):
-    from titan.runtime.artifact import open_artifact
     from titan.runtime.contract.graph_doc import read_doc
 
     def regions(art):
@@ -94,7 +94,6 @@ def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact
 
 def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eager_on_cpu(debug_artifact, tmp_path):
     from titan.builder.regions import EXACT_OPS
-    from titan.runtime.artifact import open_artifact
     from titan.runtime.contract.graph_decode import resolve_target, target_name
     from titan.runtime.contract.graph_doc import read_doc
 
@@ -104,8 +103,8 @@ def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eage
     # bf16, as on GPUs (the bucket copy-in casts); FSDP and tensor parallel (its sequence-parallel
     # gathers split lists, which stay outside: a region's results are tensors).
     for art in (debug_artifact(dp_shard=2, extra=("--dtype", "bf16")), debug_artifact(tp=2, extra=("--dtype", "bf16"))):
-        assert json.loads((art / "manifest.json").read_text())["passes"][-1] == "fuse_exact"
         a = open_artifact(art, check_torch=False)
+        assert a.manifest.passes[-1] == "fuse_exact"
         for kind in ("forward", "backward"):
             nodes = read_doc(a.read_verified(getattr(a.rank_entry(0), kind)))["nodes"]
             tags = [n.get("region") for n in nodes]

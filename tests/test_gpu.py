@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import read_metrics, titan
+from titan.runtime.artifact import open_artifact
 
 
 @pytest.mark.gpu(count=1)
@@ -148,8 +149,8 @@ def test_artifact_built_with_kernels_runs_on_an_empty_cache_without_compiling(tm
     art = tmp_path / "art"
     r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--kernels", "--out", art, env=env)
     assert r.returncode == 0, r.stderr
-    manifest = json.loads((art / "manifest.json").read_text())
-    assert manifest["kernels"] and all(rel in manifest["files"] for rel in manifest["kernels"].values())
+    manifest = open_artifact(art).manifest
+    assert manifest.kernels and all(rel in manifest.files for rel in manifest.kernels.values())
     copied = tmp_path / "copied"
     shutil.copytree(art, copied)
     fresh = dict(env, TITAN_CACHE_DIR=str(tmp_path / "empty-cache"))

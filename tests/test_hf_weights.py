@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import param_spec, read_metrics, titan
+from titan.runtime.artifact import open_artifact
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -88,8 +89,8 @@ def test_first_step_loss_matches_transformers(layout, storage, hf_dir, hf_sharde
     assert r.returncode == 0, r.stderr
     titan_loss = read_metrics(metrics)[0]["loss"]
 
-    manifest = json.loads((art / "manifest.json").read_text())
-    n_seq = manifest["batch_size"] * manifest["layout"]["dp_shard"] * manifest["layout"]["dp_replicate"]
+    manifest = open_artifact(art).manifest
+    n_seq = manifest.batch_size * manifest.dp_degree
     seq = _first_batch(token_file, n_seq)
     model = transformers.LlamaForCausalLM.from_pretrained(source, torch_dtype=torch.float32,
                                                           attn_implementation="eager").eval()

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 from conftest import titan
+from titan.runtime.artifact import open_artifact
 
 
 def test_vocab_parallel_embedding_mask_uses_where_not_index_put(debug_artifact):
     art = debug_artifact(tp=2)
-    manifest = json.loads((art / "manifest.json").read_text())
-    assert manifest["passes"] == ["partition:min_cut", "mask_index_put_to_where", "overlap_collectives", "fuse_exact"]
+    assert open_artifact(art).manifest.passes == ("partition:min_cut", "mask_index_put_to_where",
+                                                  "overlap_collectives", "fuse_exact")
     out = titan("show", art, "--rank", 1).stdout
     # A boolean-mask index_put syncs with the host (nonzero), which CUDA graph capture refuses.
     assert "aten.index_put" not in out
@@ -25,7 +24,7 @@ def test_passes_are_listed_chosen_by_name_and_part_of_the_build(debug_artifact, 
     bad = titan("build", "--flavor", "debug", "--passes", "mask_index_put_to_where,nope", "--out", tmp_path / "x")
     assert bad.returncode == 2 and "unknown pass 'nope'" in bad.stderr and not (tmp_path / "x").exists()
     bare = debug_artifact(tp=2, extra=("--passes", ""))
-    assert json.loads((bare / "manifest.json").read_text())["passes"] == ["partition:min_cut"]
+    assert open_artifact(bare).manifest.passes == ("partition:min_cut",)
     assert "aten.index_put" in titan("show", bare, "--graph", "fw").stdout
     # Without the pass the artifact still trains exactly like eager on CPU (no CUDA graphs here).
     r = titan("verify", bare, "--steps", 2)
@@ -46,15 +45,14 @@ def _lines(art, kind: str) -> list[str]:
 def test_fsdp_collectives_are_bucketed_per_block_and_recorded_in_the_plan(debug_artifact):
     unbucketed = debug_artifact(dp_shard=2, extra=("--passes", "mask_index_put_to_where"))
     bucketed = debug_artifact(dp_shard=2)
-    manifest = json.loads((bucketed / "manifest.json").read_text())
-    assert manifest["passes"] == ["partition:min_cut", "mask_index_put_to_where", "bucket_all_gather",
+    art = open_artifact(bucketed)
+    assert list(art.manifest.passes) == ["partition:min_cut", "mask_index_put_to_where", "bucket_all_gather",
                                   "bucket_reduce_scatter", "overlap_collectives", "fuse_exact"]
     # 21 parameters: one all-gather each in forward and one reduce-scatter each in backward,
     # merged into one per block (tok_embeddings, layers.0, layers.1, norm, output).
     assert (_collective_counts(unbucketed, "fw"), _collective_counts(unbucketed, "bw")) == (21, 21)
     assert (_collective_counts(bucketed, "fw"), _collective_counts(bucketed, "bw")) == (5, 5)
-    rank = json.loads((bucketed / manifest["programs"][0]["meta"]).read_text())
-    plan = [(b["graph"], b["kind"], b["group"], b["block"], len(b["params"]), b["elements"]) for b in rank["bucket_plan"]]
+    plan = [(b.graph, b.kind, b.group, b.block, len(b.params), b.elements) for b in art.rank_record(0).bucket_plan]
     block = (2 * 256 + 2 * 256 * 256 + 2 * 128 * 256 + 3 * 256 * 704) // 2  # this rank's half of one block
     assert plan == [("forward", "all_gather", "dp_shard", "tok_embeddings", 1, 1024 * 256),
                     ("forward", "all_gather", "dp_shard", "layers.0", 9, block),
@@ -108,15 +106,13 @@ def test_a_pass_that_cannot_apply_to_the_layout_fails_the_build(tmp_path):
 
 def test_full_activation_checkpointing_recomputes_blocks_and_stays_bitwise(debug_artifact):
     plain, full = debug_artifact(dp_shard=2), debug_artifact(dp_shard=2, extra=("--ac", "full"))
-    meta = {name: json.loads((art / json.loads((art / "manifest.json").read_text())["programs"][0]["meta"]).read_text())
-            for name, art in (("none", plain), ("full", full))}
-    assert json.loads((full / "manifest.json").read_text())["ac"] == "full"
+    meta = {name: open_artifact(art).rank_record(0) for name, art in (("none", plain), ("full", full))}
+    assert open_artifact(full).manifest.ac == "full"
     # Only the residual stream between blocks (and what no block owns) stays saved ...
-    assert 2 * meta["full"]["saved_activations"] <= meta["none"]["saved_activations"]
-    assert 2 * meta["full"]["saved_bytes"] <= meta["none"]["saved_bytes"]
+    assert 2 * meta["full"].saved_activations <= meta["none"].saved_activations
+    assert 2 * meta["full"].saved_bytes <= meta["none"].saved_bytes
     # ... and the backward gathers each block's parameters again (reshard after forward).
-    regathered = [b["block"] for b in meta["full"]["bucket_plan"] if b["graph"] == "backward"
-                  and b["kind"] == "all_gather"]
+    regathered = [b.block for b in meta["full"].bucket_plan if b.graph == "backward" and b.kind == "all_gather"]
     assert regathered == ["layers.1", "layers.0"]
     r = titan("verify", full, "--steps", 3)
     assert r.returncode == 0 and "bitwise equal: yes" in r.stdout, r.stdout + r.stderr
