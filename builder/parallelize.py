@@ -12,7 +12,6 @@ its parameter: nothing is owed after the graph. The eager reference runs this sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,29 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from titan.runtime.init import shard_of
 from titan.runtime.contract.layout import DP_DIMS, Layout
-from titan.runtime.contract.rank_record import ParamSpec
-
-
-@dataclass(kw_only=True, frozen=True)
-class ParamShard:
-    """Where this rank's shard of one parameter sits in the global tensor."""
-
-    fqn: str
-    """Fully qualified parameter name."""
-    global_shape: tuple[int, ...]
-    """Shape of the unsharded parameter."""
-    local_shape: tuple[int, ...]
-    """Shape of this rank's shard (full chunks: padded where a cut does not divide)."""
-    placements: dict[str, str]
-    """Per mesh dimension: 'R' (replicated) or 'S(d)' (sharded on tensor dim d)."""
-    slices: tuple[tuple[int, int, int], ...]
-    """(dim, parts, index) applied in order to the global tensor to cut this shard
-    (runtime/shards.py `shard_box`)."""
-
-    def spec(self, init: dict) -> ParamSpec:
-        """This shard's entry in the artifact's parameter table, drawn by `init` (an init spec)."""
-        return ParamSpec(fqn=self.fqn, global_shape=tuple(self.global_shape), local_shape=tuple(self.local_shape),
-                         placements=self.placements, slices=tuple(tuple(x) for x in self.slices), init=init)
+from titan.runtime.contract.rank_record import ParamShard
 
 
 def _placement_str(p) -> str:

@@ -8,7 +8,7 @@ rank binds it to its own coordinates (bind_program) and checks it against the gr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from titan.runtime.contract.bindings import bound_params
@@ -34,8 +34,9 @@ class GraphInput:
 
 
 @dataclass(kw_only=True, frozen=True)
-class ParamSpec:
-    """One parameter of the program: its global shape, this rank's shard of it and its init."""
+class ParamShard:
+    """Where a rank's shard of one parameter sits in the global tensor (builder/parallelize.py
+    cuts it)."""
     fqn: str
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
@@ -45,6 +46,15 @@ class ParamSpec:
     slices: tuple[tuple, ...]
     """(dim, parts, index) cuts, applied in order; in a stored program the index is the name of
     the mesh dimension whose coordinate it is (bindings.py binds it)."""
+
+    def spec(self, init: dict) -> ParamSpec:
+        """This shard's entry in the artifact's parameter table, drawn by `init` (an init spec)."""
+        return ParamSpec(**{f.name: getattr(self, f.name) for f in fields(ParamShard)}, init=init)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParamSpec(ParamShard):
+    """One parameter of the program: this rank's shard of it and its init."""
     init: dict
     """{"kind": one of INIT_KINDS, "std", "a", "b"}: how a seeded run draws the full tensor."""
     dtype: str = "float32"
@@ -99,20 +109,17 @@ def _checked_init(init, where: str) -> dict:
 
 @dataclass(kw_only=True, frozen=True)
 class Bucket:
-    """Collectives of one block that a bucketing pass merged into one (titan-show lists them)."""
+    """Collectives of one block that a bucketing pass merged into one (titan-show lists them):
+    an "all_gather" or "reduce_scatter" in the "forward" or "backward" graph, on the `group`
+    mesh dimension, of `elements` per rank (`bytes`: the gathered / reduced size)."""
     graph: str
-    """"forward" or "backward"."""
     kind: str
-    """"all_gather" or "reduce_scatter"."""
     group: str
-    """The mesh dimension it runs on."""
     block: str
     params: tuple[str, ...]
     elements: int
-    """Elements per rank."""
     dtype: str
     bytes: int
-    """The gathered / reduced size."""
 
     def to_json(self) -> dict:
         return {"graph": self.graph, "kind": self.kind, "group": self.group, "block": self.block,
