@@ -247,8 +247,8 @@ class RankRecord:
                 isinstance(k, str) and isinstance(v, int) for k, v in coords.items())):
             fail(where, f"coordinates {coords!r} are not a mesh place")
         buffers, mutated = _checked_buffers(meta, [i.get("fqn") for i in inputs if i["kind"] == "buffer"], where)
-        plan = meta.get("model_plan")
-        if plan is not None and not isinstance(plan, dict):
+        model_plan = meta.get("model_plan")
+        if model_plan is not None and not isinstance(model_plan, dict):
             fail(where, "'model_plan' must be a map")
         rank = meta.get("rank")
         return RankRecord(params=params, forward_inputs=tuple(GraphInput(kind=i["kind"], fqn=i.get("fqn"))
@@ -258,7 +258,7 @@ class RankRecord:
                           backward_outputs=tuple(outs), bucket_plan=tuple(Bucket.from_json(b, where) for b in plan),
                           rank=None if rank is None else check_int(rank, f"{where} rank", 0, 1 << 16),
                           coords=coords, forward_graph=graphs[0], backward_graph=graphs[1], buffers=buffers,
-                          mutated_buffers=mutated, model_plan=plan)
+                          mutated_buffers=mutated, model_plan=model_plan)
 
 
 def _checked_buffers(meta: dict, input_fqns: list, where: str) -> tuple[tuple[BufferSpec, ...], tuple[str, ...]]:
