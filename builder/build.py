@@ -133,7 +133,7 @@ def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: in
     return tags
 
 
-def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int,
+def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int, ep: int = 1,
               batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
               fuse: str | None = None) -> BuildSpec:
@@ -144,7 +144,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         raise ValueError(f"unknown flavor {flavor!r} for {model}; available: {', '.join(family.flavors)}")
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
-    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
     check_layout(family, family.flavors[flavor], layout)
     default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
     batch_size = default_b if batch_size is None else batch_size

@@ -16,6 +16,9 @@ def check_layout(family: ModelSpec, cfg: ModelConfig, layout: Layout) -> None:
     for name in MESH_DIMS:
         if getattr(layout, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(layout, name)}")
+    if layout.ep > 1 and family.expert_param is None:
+        raise ValueError(f"--ep {layout.ep}: {family.name} has no routed experts to split; drop --ep (or build a "
+                         "mixture-of-experts model such as --model deepseek_v3)")
     family.check_layout(cfg, layout)
 
 

@@ -46,12 +46,13 @@ class _ShardedParamAccess:
     """
 
     def __init__(self, *, dp_mesh: DeviceMesh | None, dp_placements: tuple, rows: int, tp_mesh: DeviceMesh | None,
-                 tp_placements: tuple, compute_dtype: torch.dtype):
+                 tp_placements: tuple, tp_plain: bool = False, compute_dtype: torch.dtype):
         self.dp_mesh = dp_mesh
         self.dp_placements = dp_placements
         self.rows = rows
         self.tp_mesh = tp_mesh
         self.tp_placements = tp_placements
+        self.tp_plain = tp_plain
         self.compute_dtype = compute_dtype
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
@@ -71,6 +72,9 @@ class _ShardedParamAccess:
             x = x.to(self.compute_dtype)
         if self.tp_mesh is not None:
             x = DTensor.from_local(x, self.tp_mesh, self.tp_placements, run_check=False)
+            if self.tp_plain:
+                # Identity forward, all-reduce of the gradient over tp (this rank's tokens' share).
+                x = x.to_local(grad_placements=(Partial(),))
         return x
 
 
@@ -87,17 +91,22 @@ def _install_access(module: nn.Module, name: str, access: _ShardedParamAccess) -
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coords: dict[str, int], *,
-                tp_plan: Callable[[nn.Module], dict], compute_dtype: torch.dtype = torch.float32) -> list[ParamShard]:
+                tp_plan: Callable[[nn.Module], dict], expert_param: Callable[[str], bool] | None = None,
+                compute_dtype: torch.dtype = torch.float32) -> list[ParamShard]:
     """Shard `model` in place for this rank; return where each local shard sits. Parameters
     stay fp32 (master weights); modules compute in `compute_dtype`. `tp_plan(model)` is the
-    model's tensor-parallel plan (its spec's).
+    model's tensor-parallel plan (its spec's); `expert_param(fqn)` says which parameters are
+    routed experts, sliced on dim 0 over the `ep` dimension (every other parameter is data
+    parallel over `ep` as over the other data-parallel dimensions).
 
     Works on a meta model (for tracing) and on a real one (for the eager reference).
     """
     names = mesh.mesh_dim_names if mesh is not None else ()
     tp_mesh = mesh["tp"] if "tp" in names else None
     dp_names = tuple(n for n in DP_DIMS if n in names)
-    dp_mesh = mesh[dp_names] if dp_names else None
+    # Routed experts are split over ep, so they are data parallel over the other dimensions only.
+    expert_dp_names = tuple(n for n in dp_names if n != "ep")
+    dp_meshes = {dims: mesh[dims] if dims else None for dims in {dp_names, expert_dp_names}}
     if mesh is None and compute_dtype == torch.float32:
         return [ParamShard(fqn=fqn, global_shape=tuple(p.shape), local_shape=tuple(p.shape),
                            placements={}, slices=()) for fqn, p in model.named_parameters()]
@@ -112,6 +121,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coord
             fqn = f"{mod_name}.{pname}" if mod_name else pname
             placements: dict[str, str] = {}
             slices: list[tuple[int, int, int]] = []
+            is_expert = expert_param is not None and expert_param(fqn)
+            param_dp_names = expert_dp_names if is_expert else dp_names
             if isinstance(param, DTensor):
                 global_shape = tuple(param.shape)
                 tp_placements = tuple(param.placements)
@@ -122,10 +133,16 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coord
                 local = param.to_local()
             else:
                 global_shape = tuple(param.shape)
-                tp_placements = ()
+                # A parameter the tp plan leaves plain sees only this rank's tokens (the
+                # sequence shard): replicated over tp, its gradient is summed over tp.
+                tp_placements = (Replicate(),) if tp_mesh is not None else ()
                 local = param.data
+            if is_expert and "ep" in names:
+                placements["ep"] = "S(0)"
+                slices.append((0, layout.ep, coords["ep"]))
+                local = shard_of(local.detach(), [[0, layout.ep, coords["ep"]]])
             dp_placements = []
-            for dp_name in dp_names:
+            for dp_name in param_dp_names:
                 if dp_name == "dp_shard":
                     dp_placements.append(Shard(0))
                     placements[dp_name] = "S(0)"
@@ -140,9 +157,9 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coord
             module._parameters[pname] = nn.Parameter(local.detach().clone() if local.device.type != "meta"
                                                      else torch.empty_like(local), requires_grad=True)
             _install_access(module, pname, _ShardedParamAccess(
-                dp_mesh=dp_mesh, dp_placements=tuple(dp_placements), rows=rows,
+                dp_mesh=dp_meshes[param_dp_names], dp_placements=tuple(dp_placements), rows=rows,
                 tp_mesh=tp_mesh if tp_placements else None, tp_placements=tp_placements,
-                compute_dtype=compute_dtype))
+                tp_plain=not isinstance(param, DTensor), compute_dtype=compute_dtype))
             shards.append(ParamShard(fqn=fqn, global_shape=global_shape,
                                      local_shape=tuple(module._parameters[pname].shape),
                                      placements={n: placements.get(n, "R") for n in names},

@@ -22,12 +22,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.builder.build import BuildSpec
 from titan.builder.checkpointing import tag_activation_checkpointing
+from titan.builder.models.spec import RankPlace
 from titan.builder.parallelize import parallelize
 from titan.builder.passes import PASSES, PassContext
 from titan.builder.rank_progress import report
 from titan.runtime.contract.graph_encode import encode_graph
 from titan.runtime.contract.layout import mesh_dims_by_group
-from titan.runtime.contract.rank_record import GraphInput, RankRecord
+from titan.runtime.contract.rank_record import BufferSpec, GraphInput, RankRecord
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
@@ -60,6 +61,8 @@ def _desc_input(desc) -> GraphInput:
     name = type(desc).__name__
     if name == "ParamAOTInput":
         return GraphInput(kind="param", fqn=desc.target)
+    if name == "BufferAOTInput":
+        return GraphInput(kind="buffer", fqn=desc.target)
     if name == "PlainAOTInput":
         return GraphInput(kind=("tokens", "labels")[desc.idx])
     if name == "TangentAOTInput":
@@ -134,8 +137,10 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     with torch.device("meta"):
         model = family.build(cfg)
     model.loss_scale = float(build.batch_size * build.seq_len * layout.dp_degree)
-    shards = parallelize(model, layout, mesh, coords, tp_plan=family.tp_plan,
+    shards = parallelize(model, layout, mesh, coords, tp_plan=family.tp_plan, expert_param=family.expert_param,
                          compute_dtype=getattr(torch, build.dtype))
+    model_plan = family.place_rank(model, RankPlace(layout=layout, mesh=mesh, batch_size=build.batch_size,
+                                                    seq_len=build.seq_len))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         model.to_empty(device="cpu")
@@ -149,10 +154,12 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
         gm = joint.graph_module
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
+        mutated = mutated_buffers(gm)
         # The partitioners rewrite the joint graph in place: give them a copy.
         joint_copy = copy_graph_module(gm)
         tag_activation_checkpointing(joint_copy, build.ac, ac_block=family.ac_block)
-        fw, bw = PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=1)
+        # The forward returns the buffers' new values first, then the loss.
+        fw, bw = PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=len(mutated) + 1)
         t_partition = time.perf_counter()
         groups = mesh_dims_by_group(mesh)
         param_names = [inp.fqn for inp in joint_inputs if inp.kind != "tangent"]
@@ -167,12 +174,29 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     report(rank, "writing")
     fw_blob = encode_graph(fw, group_names=groups)
     bw_blob = encode_graph(bw, group_names=groups)
-    meta = _rank_meta(job, family.init_specs(cfg), coords, shards, joint_inputs, fw, bw)
-    meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan))
+    meta = _rank_meta(job, family.init_specs(cfg), coords, shards, joint_inputs, fw, bw,
+                      mutated=mutated, buffer_metric=family.buffer_metric)
+    meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan), model_plan=model_plan)
     t_end = time.perf_counter()
     return RankResult(rank=rank, depth=depth, forward=fw_blob, backward=bw_blob, meta=meta,
                       timings={"export_s": t_export - t0, "partition_s": t_partition - t_export,
                                "passes_s": t_passes - t_partition, "encode_s": t_end - t_passes})
+
+
+def mutated_buffers(gm: fx.GraphModule) -> list[str]:
+    """The buffers the forward updates in place, in the order the exported graph returns their
+    new values (before the loss): a runtime copies them back after the step."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").meta["desc"]
+    mutated = []
+    for desc in outputs:
+        if type(desc).__name__ != "InputMutationAOTOutput":
+            continue
+        inp = desc.mutated_input
+        if type(inp).__name__ != "BufferAOTInput":
+            raise ValueError(f"the model's forward updates {inp} in place; only buffers may be (parameters "
+                             "change in the optimizer step)")
+        mutated.append(inp.target)
+    return mutated
 
 
 def _nbytes(val) -> int:
@@ -182,23 +206,29 @@ def _nbytes(val) -> int:
 
 
 def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint_inputs: list[GraphInput],
-               fw: fx.GraphModule, bw: fx.GraphModule) -> RankRecord:
+               fw: fx.GraphModule, bw: fx.GraphModule, *, mutated: list[str], buffer_metric) -> RankRecord:
     by_fqn = {s.fqn: s for s in shards}
     fw_inputs = [inp for inp in joint_inputs if inp.kind != "tangent"]
-    n_fw_in = sum(1 for n in fw.graph.nodes if n.op == "placeholder")
-    assert n_fw_in == len(fw_inputs), (n_fw_in, len(fw_inputs))
-    fw_outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(fw_inputs), (len(placeholders), len(fw_inputs))
+    fw_outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0][len(mutated):]
     n_saved = len(fw_outputs) - 1
     bw_in = [n for n in bw.graph.nodes if n.op == "placeholder"]
     assert len(bw_in) == n_saved + 1 and bw_in[-1].name.startswith("tangents"), [n.name for n in bw_in[-3:]]
     bw_outputs = next(n for n in bw.graph.nodes if n.op == "output").args[0]
     assert len(bw_outputs) == len(fw_inputs)
     params = tuple(by_fqn[inp.fqn].spec(specs[inp.fqn]) for inp in fw_inputs if inp.kind == "param")
+    # Buffers are state: zeros at the start, checkpointed, updated after each step from the
+    # forward's first outputs (one per name in mutated_buffers).
+    buffers = tuple(BufferSpec(fqn=inp.fqn, shape=tuple(node.meta["val"].shape),
+                               dtype=str(node.meta["val"].dtype).removeprefix("torch."), metric=buffer_metric(inp.fqn))
+                    for node, inp in zip(placeholders, fw_inputs) if inp.kind == "buffer")
+    assert set(mutated) <= {b.fqn for b in buffers}, mutated
     grads = tuple(inp.fqn if inp.kind == "param" else None for inp in fw_inputs)
     for fqn, out in zip(grads, bw_outputs):
         assert (fqn is None) == (out is None), f"gradient presence mismatch for {fqn}"
     # Every data- and tensor-parallel reduction is inside the backward graph (grad_reductions_owed {}).
     return RankRecord(rank=job.rank, coords=coords, params=params, forward_inputs=tuple(fw_inputs),
-                      static_input_indices=tuple(i for i, inp in enumerate(fw_inputs) if inp.kind == "param"),
+                      static_input_indices=tuple(i for i, inp in enumerate(fw_inputs) if inp.kind in ("param", "buffer")),
                       saved_activations=n_saved, saved_bytes=sum(_nbytes(v.meta.get("val")) for v in fw_outputs[1:]),
-                      backward_outputs=grads)
+                      backward_outputs=grads, buffers=buffers, mutated_buffers=tuple(mutated))

@@ -14,11 +14,14 @@ from titan.cli.options import POSITIVE, NonEmptyPath
 
 
 @click.command(cls=Command)
-@click.option("--model", default="llama3", show_default=True, help="Model family.")
+@click.option("--model", default="llama3", show_default=True, help="Model family: llama3 or deepseek_v3.")
 @click.option("--flavor", default=None, help="Model size: debug, 1B, 8B (default), 70B, 405B.")
 @click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (with sequence parallel).")
 @click.option("--dp-shard", default=1, show_default=True, type=POSITIVE, help="FSDP degree.")
 @click.option("--dp-replicate", default=1, show_default=True, type=POSITIVE, help="Replicated data-parallel degree.")
+@click.option("--ep", default=1, show_default=True, type=POSITIVE,
+              help="Expert-parallel degree (mixture-of-experts models): routed experts split over this many ranks, "
+                   "which are data parallel for everything else.")
 @click.option("--batch-size", default=None, type=POSITIVE, help="Sequences per data-parallel rank (default: 2 debug, 1 otherwise).")
 @click.option("--seq-len", default=None, type=click.IntRange(min=2), help="Tokens per sequence (default: 128 debug, 8192 otherwise).")
 @click.option("--dtype", default=None, type=click.Choice(["bf16", "fp32"]), help="Compute dtype: bf16 (default; fp32 for the debug flavor) or fp32. "
@@ -45,7 +48,7 @@ from titan.cli.options import POSITIVE, NonEmptyPath
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
               "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
-def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
+def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
          replace, jobs, cache_dir, explain, kernels):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     if list_passes:
@@ -63,7 +66,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, batch_size, seq_len, dtype, 
     from titan.runtime import timings
     from titan.cli.build_progress import BuildProgress
 
-    spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
+    spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
                      batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac, fuse=fuse,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p))
     out = out or Path("artifacts") / spec.name

@@ -102,7 +102,8 @@ def launch(art, cfg, *, started: float) -> int:
     from titan.runtime.run_state import RunState
 
     art.verify_all()
-    RunState(cfg, art.manifest, art.rank_record(0).params).close()  # the checks every rank makes, once
+    record = art.rank_record(0)
+    RunState(cfg, art.manifest, record.params, buffers=record.buffers).close()  # every rank's checks, once
     if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         from titan.runtime.step_log import TENSORBOARD_HINT
         raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")

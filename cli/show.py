@@ -14,10 +14,12 @@ from titan.cli.options import NON_NEGATIVE
 @click.option("--graph", default="all", show_default=True, type=click.Choice(["fw", "bw", "all"]))
 def main(artifact, rank, graph):
     """List the forward and/or backward graph of one rank."""
-    from titan.cli.tools.graph_listing import list_graph
+    from titan.cli.tools.graph_listing import list_graph, list_rank_plan
     from titan.runtime.artifact import open_artifact
 
     art = open_artifact(artifact, check_torch=False)
+    for line in list_rank_plan(art, rank):
+        click.echo(line)
     kinds = {"fw": ["forward"], "bw": ["backward"], "all": ["forward", "backward"]}[graph]
     for kind in kinds:
         for line in list_graph(art, rank, kind):

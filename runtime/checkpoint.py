@@ -12,6 +12,9 @@ into any layout (DCP reads the intersections). Boxes held by several ranks (repl
 parameters) are written once (DCP deduplicates equal boxes). The files are written through DCP's safetensors storage:
 the offsets live in JSON safetensors headers, so loading unpickles nothing.
 
+A model's buffers (state the forward updates outside the gradient, runtime/buffer_state.py)
+are saved whole under `buffer.<name>`: every rank holds the same values, so DCP writes them once.
+
 Data needs no state of its own (a batch is a pure function of the step), and the training loop
 draws no random numbers, so the step is the whole data / RNG position.
 
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan.runtime.contract.rank_record import ParamSpec
+from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
 from titan.runtime.shards import shard_box
 
 STATE_FILE = "titan.json"
@@ -91,7 +94,8 @@ def read_state(step_dir: Path) -> dict:
     return state
 
 
-def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: tuple[ParamSpec, ...]) -> None:
+def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: tuple[ParamSpec, ...],
+                  buffers: tuple[BufferSpec, ...] = ()) -> None:
     """The checkpoint is of the artifact's model: same config, same parameters and global shapes."""
     if state.get("model_config") != model_config:
         theirs = state.get("model_config") or {}
@@ -99,9 +103,10 @@ def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: tu
         raise ValueError(f"{step_dir} is a checkpoint of a different model: {', '.join(diff) or 'other fields'}; "
                          "resume with an artifact built for that model, or use another --checkpoint-dir")
     shapes = {p.fqn: list(p.global_shape) for p in params}
-    if state.get("params") != shapes:
+    if state.get("params") != shapes or state.get("buffers", {}) != {b.fqn: list(b.shape) for b in buffers}:
         raise ValueError(f"{step_dir} holds other parameters or shapes than the artifact; resume with an "
                          "artifact built for that model, or use another --checkpoint-dir")
+
 
 
 def check_complete(step_dir: Path) -> None:
@@ -118,6 +123,8 @@ def check_complete(step_dir: Path) -> None:
     for fqn, shape in description["params"].items():
         for family in ("model", "optim.exp_avg", "optim.exp_avg_sq"):
             check_covered(metadata, f"{family}.{fqn}", shape, where=str(step_dir))
+    for fqn, shape in description.get("buffers", {}).items():
+        check_covered(metadata, f"buffer.{fqn}", shape, where=str(step_dir))
 
 
 def check_fresh(root: str | os.PathLike) -> None:
@@ -131,10 +138,15 @@ def check_fresh(root: str | os.PathLike) -> None:
                          "--resume to continue from it, or choose an empty --checkpoint-dir")
 
 
-def dcp_state(params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer) -> tuple[dict, dict]:
+def dcp_state(params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer,
+              buffers: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict]:
     """The DCP state dict over this rank's live tensors (saving reads them, loading fills them)
-    and each entry's box in its global tensor."""
+    and each entry's box in its global tensor. `buffers`: the model's buffers by name (whole
+    on every rank)."""
     state, boxes = {}, {}
+    for fqn, t in (buffers or {}).items():
+        state[f"buffer.{fqn}"] = t
+        boxes[f"buffer.{fqn}"] = ([0] * t.dim(), list(t.shape), list(t.shape))
     for meta, p, m, v in zip(params, tensors, optimizer.exp_avg, optimizer.exp_avg_sq):
         fqn = meta.fqn
         box = shard_box(meta.slices, meta.global_shape)
@@ -148,7 +160,7 @@ def dcp_state(params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimi
 
 
 def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer,
-         description: dict) -> Path:
+         description: dict, buffers: dict[str, torch.Tensor] | None = None) -> Path:
     """Collective: every rank calls it. Returns the complete step directory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -164,12 +176,13 @@ def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], t
     if dist.is_initialized():
         dist.barrier()
     from titan.runtime.dcp_boxes import BoxSavePlanner
-    state, boxes = dcp_state(params, tensors, optimizer)
+    state, boxes = dcp_state(params, tensors, optimizer, buffers)
     _dcp_call(dcp.save, state, planner=BoxSavePlanner(boxes),
               storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
     if rank0:
         written = dict(description, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, step=step,
                        optimizer_steps=optimizer.steps, params={p.fqn: list(p.global_shape) for p in params},
+                       **({"buffers": {k: list(t.shape) for k, t in buffers.items()}} if buffers else {}),
                        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(partial / STATE_FILE, "w") as f:
             json.dump(written, f, indent=1)
@@ -186,14 +199,15 @@ def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], t
     return final
 
 
-def load(step_dir: Path, *, params: list[dict], tensors: list[torch.Tensor], optimizer) -> dict:
+def load(step_dir: Path, *, params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer,
+         buffers: dict[str, torch.Tensor] | None = None) -> dict:
     """Collective: fill this rank's parameters and AdamW state from `step_dir`; returns its titan.json."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     from titan.runtime.dcp_boxes import BoxLoadPlanner
     description = read_state(step_dir)
-    state, boxes = dcp_state(params, tensors, optimizer)
+    state, boxes = dcp_state(params, tensors, optimizer, buffers)
     _dcp_call(dcp.load, state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
               storage_reader=HuggingFaceStorageReader(str(step_dir)))
     optimizer.steps = int(description["optimizer_steps"])

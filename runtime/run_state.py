@@ -22,7 +22,7 @@ from titan.runtime.init import materialize
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
-    from titan.runtime.contract.rank_record import ParamSpec
+    from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
     from titan.runtime.optim import AdamW
     from titan.runtime.train import RunConfig
 
@@ -42,6 +42,7 @@ class RunState:
     spawns them, so that a mistake is one line. Then serves the state hooks."""
 
     def __init__(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...], *,
+                 buffers: tuple[BufferSpec, ...] = (),
                  device: torch.device | None = None):
         self.cfg, self.manifest, self.params, self.device = cfg, manifest, params, device
         self.hf = None
@@ -49,13 +50,14 @@ class RunState:
         self.resumed: dict = {}
         self.notes: list[str] = []
         try:
-            self._check(cfg, manifest, params)
+            self._check(cfg, manifest, params, buffers)
         except RunOptionError:
             raise
         except ValueError as e:
             raise RunOptionError(str(e)) from None
 
-    def _check(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...]) -> None:
+    def _check(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...],
+               buffers: tuple[BufferSpec, ...]) -> None:
         for flag, given, built in (("--batch-size", cfg.batch_size, manifest.batch_size),
                                    ("--seq-len", cfg.seq_len, manifest.seq_len)):
             if given is not None and given != built:
@@ -78,7 +80,7 @@ class RunState:
                                                           step_dir_ok=False)
             self.resumed = checkpoint.read_state(self.resume_from)
             checkpoint.check_matches(self.resumed, self.resume_from, model_config=manifest.model_config,
-                                     params=params)
+                                     params=params, buffers=buffers)
             checkpoint.check_complete(self.resume_from)
             step = self.resumed["step"]
             if cfg.steps <= step:
@@ -139,12 +141,14 @@ class RunState:
         if self.hf is not None:
             self.hf.close()
 
-    def restore(self, tensors: list[torch.Tensor], optimizer: AdamW) -> int:
-        """Load the resumed checkpoint into the live tensors; returns the step to continue after."""
+    def restore(self, tensors: list[torch.Tensor], optimizer: AdamW, *,
+                buffers: dict[str, torch.Tensor] | None = None) -> int:
+        """Load the resumed checkpoint into the live tensors (and the model's buffers); returns
+        the step to continue after."""
         self.close()
         if self.resume_from is None:
             return 0
-        checkpoint.load(self.resume_from, params=self.params, tensors=tensors, optimizer=optimizer)
+        checkpoint.load(self.resume_from, params=self.params, tensors=tensors, optimizer=optimizer, buffers=buffers)
         return self.start_step
 
     def _description(self) -> dict:
@@ -156,7 +160,8 @@ class RunState:
                 "lr": cfg.lr, "torch_version": m.torch_version, "hf_config": hf_config,
                 RECORD: None if m.hf_checkpoint is None else m.hf_checkpoint.to_json(), "settings": self._settings()}
 
-    def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW) -> Path | None:
+    def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW, *,
+                   buffers: dict[str, torch.Tensor] | None = None) -> Path | None:
         """Checkpoint every --checkpoint-every steps and at the last step (collective); returns
         the step directory written, if any."""
         cfg = self.cfg
@@ -166,4 +171,4 @@ class RunState:
         if not due:
             return None
         return checkpoint.save(cfg.checkpoint_dir, step, params=self.params, tensors=tensors, optimizer=optimizer,
-                               description=self._description())
+                               description=self._description(), buffers=buffers)

@@ -2,7 +2,8 @@
 step, the --metrics JSON lines, and TensorBoard scalars (--tensorboard).
 
 Per-step record (a --metrics line): step, loss (global mean), tokens_per_s, step_time_s, time
-(unix seconds) and, on GPU, peak_mem_gib. TensorBoard gets the same values as float64 scalars
+(unix seconds), on GPU peak_mem_gib and, for a mixture of experts, expert_load_max,
+expert_load_mean (tokens per expert) and dropped_tokens (runtime/buffer_state.py). TensorBoard gets the same values as float64 scalars
 under the same names, at global step `step`, so they read back exactly.
 
 torch.utils.tensorboard is imported only when --tensorboard is given; it imports neither
@@ -22,7 +23,8 @@ from titan.runtime import interrupt
 from titan.runtime.progress import StatusLine, bar, duration, is_terminal
 
 TENSORBOARD_HINT = "pip install -e '.[watch]' from a clone (or: pip install tensorboard)"
-SCALARS = ("loss", "tokens_per_s", "step_time_s", "peak_mem_gib")
+SCALARS = ("loss", "tokens_per_s", "step_time_s", "peak_mem_gib", "expert_load_max", "expert_load_mean",
+           "dropped_tokens")
 
 
 def open_tensorboard(log_dir: str):

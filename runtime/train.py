@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
+from titan.runtime.buffer_state import BufferState
 from titan.runtime.data import SyntheticTokens, TokenFile
 from titan.runtime.fusion import compile_program_regions
 from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
@@ -97,7 +98,7 @@ def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int]):
 
 class GraphProgram:
     """The program this rank runs (its forward and backward graphs, bound to this rank's
-    coordinates) and this rank's parameter shards."""
+    coordinates), this rank's parameter shards and the model's buffers (runtime/buffer_state.py)."""
 
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None):
@@ -116,6 +117,7 @@ class GraphProgram:
         self.inputs = record.forward_inputs
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
         self.params = [load_param(p) for p in record.params]
+        self.buffers = BufferState(record, device=device)
         self.coords = record.coords
 
     @torch.no_grad()
@@ -125,10 +127,15 @@ class GraphProgram:
         args = []
         for inp in self.inputs:
             kind = inp.kind
-            args.append(next(params) if kind == "param" else tokens if kind == "tokens" else labels)
-        loss, *saved = self.forward(*args)
+            args.append(next(params) if kind == "param" else self.buffers.tensors[inp.fqn] if kind == "buffer"
+                        else tokens if kind == "tokens" else labels)
+        outputs = self.forward(*args)
+        n_updates = len(self.buffers.mutated)
+        updates, loss, saved = outputs[:n_updates], outputs[n_updates], outputs[n_updates + 1:]
+        del outputs
         grads = self.backward(*saved, torch.ones_like(loss))
         del saved
+        self.buffers.copy_back(updates)  # after the backward: it may recompute from the old values
         return loss, [g for inp, g in zip(self.inputs, grads) if inp.kind == "param"]
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -142,9 +149,11 @@ class GraphProgram:
 def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
                data, *, steps: int, device: torch.device, mesh, tokens_per_step: int,
                log: Callable[[dict], None] | None, start: int = 0,
-               after_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+               after_step: Callable[[int], None] | None = None,
+               step_metrics: Callable[[], dict] | None = None) -> list[torch.Tensor]:
     """Run optimizer steps start+1 .. steps; returns each step's loss summed over data-parallel
-    ranks. `after_step(step)` runs after each (checkpointing)."""
+    ranks. `after_step(step)` runs after each (checkpointing); `step_metrics()` adds to the
+    logged record (read after the step, e.g. the expert load from the model's buffers)."""
     losses = []
     for step in range(start + 1, steps + 1):
         tokens, labels = data.batch(step - 1)
@@ -161,6 +170,8 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
                       "time": time.time()}
             if device.type == "cuda":
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if step_metrics is not None:
+                record.update(step_metrics())
             log(record)
         if after_step is not None:
             after_step(step)
@@ -201,7 +212,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
                             f"{env.world_size} ranks; launch {artifact.world_size} ranks or rebuild for this layout")
     # Initial state (seed / --init-from-hf / --resume), checkpoints and the one check of the run's
     # options against the artifact: runtime/run_state.py.
-    run_state = RunState(cfg, artifact.manifest, artifact.rank_record(env.rank).params)
+    record = artifact.rank_record(env.rank)
+    run_state = RunState(cfg, artifact.manifest, record.params, buffers=record.buffers)
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
     run_state.device = device
     if device.type == "cuda" and cfg.cuda_graphs:
@@ -231,12 +243,12 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     if program.fusion is not None:
         _say(env, cfg, None, program.fusion.line())
     optimizer = make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw)
-    start = run_state.restore(program.params, optimizer)
+    start = run_state.restore(program.params, optimizer, buffers=program.buffers.tensors)
     log = _step_logger(cfg, env.rank == 0, cfg.steps, start)
 
     def checkpointed(s: int) -> None:
         t0 = time.perf_counter()
-        written = run_state.after_step(s, program.params, optimizer)
+        written = run_state.after_step(s, program.params, optimizer, buffers=program.buffers.tensors)
         if written is not None:
             _say(env, cfg, log, f"checkpoint: wrote {written} in {time.perf_counter() - t0:.1f} s")
 
@@ -254,7 +266,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
 
     with step_function(program, cfg, device) as step:
         return train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
-                          tokens_per_step=tokens_per_step, log=log, start=start, after_step=after_step)
+                          tokens_per_step=tokens_per_step, log=log, start=start, after_step=after_step,
+                          step_metrics=program.buffers.metrics if len(program.buffers) else None)
 
 
 @contextlib.contextmanager

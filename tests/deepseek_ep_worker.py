@@ -48,7 +48,7 @@ class Step:
         self.tokens, self.labels = (batch[k][rank::world].contiguous() for k in ("tokens", "labels"))
         self.model.loss_scale = float(batch["tokens"].numel())
         shard_experts(self.model, ep=ep, ep_rank=rank % ep)
-        set_dispatch(self.model, tokens=self.tokens.numel(), ep=ep, ep_group=ep_group, load_group=dist.group.WORLD,
+        set_dispatch(self.model, tokens=self.tokens.numel(), ep=ep, ep_group=ep_group, load_groups=(dist.group.WORLD,),
                      capacity_factor=args.capacity_factor)
         if device == "meta":
             return

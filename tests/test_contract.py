@@ -23,7 +23,7 @@ def test_manifest_and_rank_records_read_back_what_titan_build_wrote(debug_artifa
     art = open_artifact(root)
     stored = json.loads(art.read_verified(manifest.programs[0].meta))
     record = art.rank_record(3)
-    assert (record.rank, record.coords) == (3, {"dp_replicate": 0, "dp_shard": 1, "tp": 1})
+    assert (record.rank, record.coords) == (3, {"dp_replicate": 0, "dp_shard": 1, "ep": 0, "tp": 1})
     assert all(isinstance(p, ParamSpec) for p in record.params)
     assert all(isinstance(i, GraphInput) for i in record.forward_inputs)
     assert record.bucket_plan and all(isinstance(b, Bucket) for b in record.bucket_plan)
@@ -39,7 +39,7 @@ def test_manifest_and_rank_records_read_back_what_titan_build_wrote(debug_artifa
 @pytest.mark.parametrize("change, message", [
     (dict(world_size=3), "manifest: mesh [['dp_shard', 2], ['tp', 2]] does not multiply to world size 3"),
     (dict(passes="fuse_exact"), "manifest: 'passes' must list pass names"),
-    (dict(layout={"dp_replicate": 1, "dp_shard": 2, "tp": 1}), "manifest: 'layout' disagrees with 'mesh'"),
+    (dict(layout={"dp_replicate": 1, "dp_shard": 2, "ep": 1, "tp": 1}), "manifest: 'layout' disagrees with 'mesh'"),
     (dict(format_version=1), "has artifact format 1; this runtime reads format 2"),
 ])
 def test_a_manifest_titan_build_would_not_write_is_refused_with_the_fix(debug_artifact, change, message):

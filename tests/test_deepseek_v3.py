@@ -121,9 +121,11 @@ def test_spec_initializes_every_parameter_of_each_flavor(flavor):
 def test_spec_refuses_layouts_it_cannot_build():
     from titan.runtime.contract.layout import Layout
 
-    SPEC.check_layout(CFG, Layout(dp_shard=2))
-    with pytest.raises(ValueError, match="no tensor-parallel plan yet; build it with --tp 1"):
-        SPEC.check_layout(CFG, Layout(tp=2))
+    SPEC.check_layout(CFG, Layout(dp_shard=2, ep=2, tp=2))
+    with pytest.raises(ValueError, match=r"--tp 3 does not divide the attention heads \(4\)"):
+        SPEC.check_layout(CFG, Layout(tp=3))
+    with pytest.raises(ValueError, match=r"--ep 3 does not divide the routed experts \(8\)"):
+        SPEC.check_layout(CFG, Layout(ep=3))
     with pytest.raises(ValueError, match=r"--dp-shard 3 does not divide the embedding rows \(512\)"):
         SPEC.check_layout(CFG, Layout(dp_shard=3))
 
@@ -269,7 +271,7 @@ def test_expert_parallel_step_traces_to_static_shapes_without_host_sync():
         with torch.device("meta"):
             model = DeepSeekV3(CFG)
         shard_experts(model, ep=2, ep_rank=0)
-        plan = set_dispatch(model, tokens=2 * SEQ, ep=2, ep_group=dist.group.WORLD, load_group=dist.group.WORLD)
+        plan = set_dispatch(model, tokens=2 * SEQ, ep=2, ep_group=dist.group.WORLD, load_groups=(dist.group.WORLD,))
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             tokens = torch.empty(2, SEQ, dtype=torch.long)

@@ -20,3 +20,13 @@ def test_the_mesh_and_the_name_list_only_dimensions_of_size_above_one():
     assert layout.mesh_shape() == (("dp_shard", 4), ("tp", 2))
     assert layout.tag() == "dp-shard4-tp2" and Layout().tag() == "single"
     assert Layout.from_dict(layout.as_dict()) == layout
+
+
+def test_expert_parallel_ranks_are_data_parallel_between_dp_shard_and_tp():
+    """ep sits inside dp_shard and outside tp; its ranks read their own slices of the batch."""
+    layout = Layout(dp_shard=2, ep=2, tp=2)
+    coords = [layout.coordinates(r) for r in range(layout.world_size)]
+    assert [(c["dp_shard"], c["ep"], c["tp"]) for c in coords] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert [layout.dp_rank(c) for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert layout.dp_degree == 4 and layout.tag() == "dp-shard2-ep2-tp2"

@@ -3,11 +3,12 @@ folder beside llama3/ and one line here."""
 
 from __future__ import annotations
 
-from titan.builder.models import llama3
+from titan.builder.models import deepseek_v3, llama3
 from titan.builder.models.spec import ModelSpec
 
 MODELS: dict[str, ModelSpec] = {
     "llama3": llama3.SPEC,
+    "deepseek_v3": deepseek_v3.SPEC,
 }
 
 

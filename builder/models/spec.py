@@ -72,6 +72,21 @@ def layer_number(module: str) -> int | None:
 
 
 @dataclass(kw_only=True, frozen=True)
+class RankPlace:
+    """Where a rank sits, for a model that needs more than its parameters laid out."""
+
+    layout: Layout
+    """The parallel layout."""
+    mesh: Any
+    """The device mesh (None on a single rank)."""
+    batch_size: int
+    """Sequences per data-parallel rank."""
+    seq_len: int
+    """Tokens per sequence (under tp, each rank's modules between the sequence-parallel
+    regions see seq_len / tp of them)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelSpec:
     name: str
     """Family name (titan-build --model)."""
@@ -97,6 +112,17 @@ class ModelSpec:
     ac_block: Callable[[str], int | None] = layer_number
     """Module path -> the number of the block that activation checkpointing recomputes as one
     unit, or None for modules outside blocks (embedding, final norm, output, loss)."""
+    expert_param: Callable[[str], bool] | None = None
+    """Parameter name -> whether it is a routed expert's, split on dim 0 over the `ep` mesh
+    dimension (builder/parallelize.py); None: the family has no experts and builds with --ep 1."""
+    place_rank: Callable[[nn.Module, RankPlace], dict | None] = lambda model, place: None
+    """After parallelize, before the trace (and in the eager reference): give the model what
+    depends on the rank's place (a mixture of experts' dispatch plan and process groups).
+    Returns a JSON record of what was decided, the same on every rank (the rank metadata's
+    `model_plan`, shown by titan-show), or None: nothing to decide."""
+    buffer_metric: Callable[[str], str | None] = lambda fqn: None
+    """Buffer name -> the per-step metric titan-run reads from it after each step
+    ('tokens_per_expert' or 'dropped_tokens', runtime/buffer_state.py), or None."""
     hf_checkpoint: Callable[[ModelConfig, list[str]], HFRecord] | None = None
     """The Hugging Face checkpoint record for the given parameters (names, row permutations,
     expected config.json values), written into the manifest for --init-from-hf and

@@ -80,6 +80,11 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
             items = outs.get(TUPLE, outs) if isinstance(outs, dict) else outs
             lines.append(f"  %{i:<5} output {len(items)} values")
             if kind == "forward":
+                mutated = meta.mutated_buffers
+                if mutated:  # the buffers' new values come first (runtime/buffer_state.py)
+                    lines.append("         buffer updates: "
+                                 + ", ".join(f"{fqn}={fmt(x)}" for fqn, x in zip(mutated, items)))
+                items = items[len(mutated):]
                 lines.append(f"         loss = {fmt(items[0])}; saved for backward ({n_saved}): "
                              + ", ".join(fmt(x) for x in items[1:]))
             else:
@@ -95,6 +100,29 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
             lines.append(f"{mark}%{i:<5} {_fmt_val(n.get('val')):<24} = {call}{module}")
     lines.append(f"{collectives} collectives (marked **)")
     lines += list_bucket_plan(meta, kind)
+    return lines
+
+
+def list_rank_plan(art: Artifact, rank: int) -> list[str]:
+    """What a model decided for this rank beyond its graphs: which routed experts it holds (its
+    parameters sliced over ep) and the model's plan record (a mixture of experts' dispatch:
+    tokens, capacity, buffer rows), plus the buffers it keeps as state. Nothing for a model
+    without experts or buffers."""
+    meta = art.rank_record(rank)
+    lines = []
+    experts = [p for p in meta.params if p.placements.get("ep", "R").startswith("S")]
+    if experts:
+        total, ep = experts[0].global_shape[0], art.layout.ep
+        coord, per_rank = meta.coords["ep"], total // ep
+        lines.append(f"expert placement: routed experts {coord * per_rank}..{(coord + 1) * per_rank - 1} of {total} "
+                     f"on this rank (ep coordinate {coord} of {ep}; {len(experts)} expert parameters)")
+    if meta.model_plan:
+        lines.append("model plan: " + ", ".join(f"{k} {v}" for k, v in meta.model_plan.items()))
+    if meta.buffers:
+        fed = [b for b in meta.buffers if b.metric]
+        lines.append(f"buffers: {len(meta.buffers)} (state, zeros at start, checkpointed), "
+                     f"{len(meta.mutated_buffers)} updated by each step, {len(fed)} feeding the per-step "
+                     "expert-load metrics")
     return lines
 
 

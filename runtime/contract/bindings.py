@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from titan.runtime.contract.graph_doc import MAX_ELEMENTS, GraphFormatError
 
 # Mesh dimensions that cut parameter slices, in the order the slices apply (tensor-parallel
-# first, then FSDP on dim 0 of that slice).
-SLICE_DIMS = ("tp", "dp_shard")
+# first, or expert-parallel for a model's routed experts, then FSDP on dim 0 of that slice).
+SLICE_DIMS = ("tp", "ep", "dp_shard")
 
 
 def _bounded_int(v, where: str) -> int:

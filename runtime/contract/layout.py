@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
 """Outermost first, as torchtitan orders them; a rank's coordinates are row-major, tp innermost."""
-DP_DIMS = ("dp_replicate", "dp_shard")
-"""The data-parallel dimensions: each coordinate on them reads its own slice of the batch."""
+DP_DIMS = ("dp_replicate", "dp_shard", "ep")
+"""The data-parallel dimensions: each coordinate on them reads its own slice of the batch (the
+expert-parallel ranks are carved from the data-parallel ones: they route their own tokens)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -22,6 +23,9 @@ class Layout:
     """Plain data-parallel replicas (with dp_shard > 1: HSDP)."""
     dp_shard: int = 1
     """FSDP degree: parameters sharded on dim 0, all-gathered in forward."""
+    ep: int = 1
+    """Expert-parallel degree: the model's routed experts are split over these ranks, which are
+    data parallel for every other parameter (a model without experts is built with ep 1)."""
     tp: int = 1
     """Tensor-parallel degree (with sequence parallel)."""
 
@@ -35,12 +39,12 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.ep * self.tp
 
     @property
     def dp_degree(self) -> int:
         """Data-parallel ranks: how many slices of the global batch a step reads."""
-        return self.dp_replicate * self.dp_shard
+        return self.dp_replicate * self.dp_shard * self.ep
 
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         """The mesh dimensions of size > 1, outermost first."""
@@ -56,7 +60,8 @@ class Layout:
 
     def dp_rank(self, coords: dict[str, int]) -> int:
         """Which slice of the global batch the rank at `coords` reads."""
-        return coords.get("dp_replicate", 0) * self.dp_shard + coords.get("dp_shard", 0)
+        return ((coords.get("dp_replicate", 0) * self.dp_shard + coords.get("dp_shard", 0)) * self.ep
+                + coords.get("ep", 0))
 
     def tag(self) -> str:
         """'tp2', 'dp-shard2-tp2', ... ('single' for one rank): artifact names."""

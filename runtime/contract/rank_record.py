@@ -20,12 +20,16 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
 INIT_KINDS = ("normal", "trunc_normal", "ones", "zeros")
-INPUT_KINDS = ("param", "tokens", "labels")
+INPUT_KINDS = ("param", "buffer", "tokens", "labels")
+BUFFER_DTYPES = ("float32", "int64")
+BUFFER_METRICS = ("tokens_per_expert", "dropped_tokens")
+"""What a buffer may feed in titan-run's per-step metrics (runtime/buffer_state.py)."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class GraphInput:
-    """One input of the forward graph, in order: a parameter (by name), the tokens or the labels."""
+    """One input of the forward graph, in order: a parameter or a buffer (by name), the tokens or
+    the labels."""
     kind: str
     fqn: str | None = None
 
@@ -108,6 +112,32 @@ def _checked_init(init, where: str) -> dict:
 
 
 @dataclass(kw_only=True, frozen=True)
+class BufferSpec:
+    """One buffer of the model: state its forward updates outside the gradient (a mixture of
+    experts' balancing bias and expert load). Zeros at the start, checkpointed; the same on
+    every rank."""
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    """One of BUFFER_DTYPES."""
+    metric: str | None = None
+    """The per-step metric it feeds (one of BUFFER_METRICS), or None."""
+
+    def to_json(self) -> dict:
+        return {"fqn": self.fqn, "shape": list(self.shape), "dtype": self.dtype, "metric": self.metric}
+
+    @staticmethod
+    def from_json(b, where: str) -> BufferSpec:
+        if not isinstance(b, dict) or not isinstance(b.get("fqn"), str) or not b["fqn"]:
+            fail(where, "buffer entry without a name")
+        where = f"{where} buffer {b['fqn'][:80]}"
+        if b.get("dtype") not in BUFFER_DTYPES or b.get("metric") not in (None, *BUFFER_METRICS):
+            fail(where, f"unknown dtype {str(b.get('dtype'))[:20]!r} or metric {str(b.get('metric'))[:40]!r}")
+        return BufferSpec(fqn=b["fqn"], shape=check_shape(b.get("shape"), where), dtype=b["dtype"],
+                          metric=b.get("metric"))
+
+
+@dataclass(kw_only=True, frozen=True)
 class Bucket:
     """Collectives of one block that a bucketing pass merged into one (titan-show lists them):
     an "all_gather" or "reduce_scatter" in the "forward" or "backward" graph, on the `group`
@@ -141,7 +171,7 @@ class RankRecord:
     """The parameter inputs' table, in forward-input order."""
     forward_inputs: tuple[GraphInput, ...]
     static_input_indices: tuple[int, ...]
-    """The forward inputs that keep their address across steps (the parameters)."""
+    """The forward inputs that keep their address across steps (the parameters and buffers)."""
     saved_activations: int
     """Values the forward returns after the loss, for the backward."""
     saved_bytes: int
@@ -157,6 +187,14 @@ class RankRecord:
     """The sha256 of the program's graphs: set once they are stored."""
     grad_reductions_owed: dict = field(default_factory=dict)
     """Always {}: every data- and tensor-parallel reduction is inside the backward graph."""
+    buffers: tuple[BufferSpec, ...] = ()
+    """The buffer inputs' table, in forward-input order (runtime/buffer_state.py)."""
+    mutated_buffers: tuple[str, ...] = ()
+    """The buffers whose new values the forward returns first (before the loss), in order: the
+    runtime copies them back after the backward."""
+    model_plan: dict | None = None
+    """What the model decided for its ranks, the same on each (a mixture of experts' dispatch
+    plan: ModelSpec.place_rank), for the tools."""
 
     @property
     def param_fqns(self) -> list[str]:
@@ -170,6 +208,10 @@ class RankRecord:
                  grad_reductions_owed=self.grad_reductions_owed, bucket_plan=[b.to_json() for b in self.bucket_plan])
         if self.forward_graph is not None:
             d.update(forward_graph=self.forward_graph, backward_graph=self.backward_graph)
+        if self.buffers:
+            d.update(buffers=[b.to_json() for b in self.buffers], mutated_buffers=list(self.mutated_buffers))
+        if self.model_plan is not None:
+            d.update(model_plan=self.model_plan)
         return d
 
     @staticmethod
@@ -182,7 +224,7 @@ class RankRecord:
             fail(where, "'forward_inputs' must be a list")
         kinds = [i.get("kind") if isinstance(i, dict) else None for i in inputs]
         if kinds.count("tokens") != 1 or kinds.count("labels") != 1 or any(k not in INPUT_KINDS for k in kinds):
-            fail(where, "forward inputs must be parameters plus one tokens and one labels input")
+            fail(where, "forward inputs must be parameters and buffers plus one tokens and one labels input")
         params = meta.get("params")
         if not isinstance(params, list) or len(params) != kinds.count("param"):
             fail(where, "'params' does not match the parameter inputs")
@@ -211,6 +253,10 @@ class RankRecord:
         if coords is not None and (not isinstance(coords, dict) or not all(
                 isinstance(k, str) and isinstance(v, int) for k, v in coords.items())):
             fail(where, f"coordinates {coords!r} are not a mesh place")
+        buffers, mutated = _checked_buffers(meta, [i.get("fqn") for i in inputs if i["kind"] == "buffer"], where)
+        model_plan = meta.get("model_plan")
+        if model_plan is not None and not isinstance(model_plan, dict):
+            fail(where, "'model_plan' must be a map")
         rank = meta.get("rank")
         return RankRecord(params=params, forward_inputs=tuple(GraphInput(kind=i["kind"], fqn=i.get("fqn"))
                                                                for i in inputs),
@@ -218,7 +264,24 @@ class RankRecord:
                           saved_bytes=check_int(meta.get("saved_bytes"), f"{where} saved_bytes", 0, 1 << 62),
                           backward_outputs=tuple(outs), bucket_plan=tuple(Bucket.from_json(b, where) for b in plan),
                           rank=None if rank is None else check_int(rank, f"{where} rank", 0, 1 << 16),
-                          coords=coords, forward_graph=graphs[0], backward_graph=graphs[1])
+                          coords=coords, forward_graph=graphs[0], backward_graph=graphs[1], buffers=buffers,
+                          mutated_buffers=mutated, model_plan=model_plan)
+
+
+def _checked_buffers(meta: dict, input_fqns: list, where: str) -> tuple[tuple[BufferSpec, ...], tuple[str, ...]]:
+    """The buffer table names the buffer inputs in order; each is updated by at most one of the
+    forward's first outputs."""
+    buffers, mutated = meta.get("buffers", []), meta.get("mutated_buffers", [])
+    if not isinstance(buffers, list) or not isinstance(mutated, list):
+        fail(where, "'buffers' and 'mutated_buffers' must be lists")
+    buffers = tuple(BufferSpec.from_json(b, where) for b in buffers)
+    names = [b.fqn for b in buffers]
+    if names != input_fqns:
+        fail(where, "buffer inputs and 'buffers' name different buffers")
+    if len(set(map(str, mutated))) != len(mutated) or not set(map(str, mutated)) <= set(names) or not all(
+            isinstance(m, str) for m in mutated):
+        fail(where, "'mutated_buffers' must name distinct buffers of 'buffers'")
+    return buffers, tuple(mutated)
 
 
 def bind_program(meta, *, rank: int, layout: Layout, where: str, what: str) -> RankRecord:
@@ -260,12 +323,17 @@ def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.Graph
     if len(fw_in) != len(inputs):
         fail(where, f"forward graph takes {len(fw_in)} inputs, metadata lists {len(inputs)}")
     shapes = iter(list(p.local_shape) for p in record.params)
+    buffer_shapes = iter(list(b.shape) for b in record.buffers)
     for node, inp in zip(fw_in, inputs):
         val = node.meta.get("titan_val")
         if inp.kind == "param" and (not isinstance(val, dict) or val.get("shape") != next(shapes)):
             fail(where, f"forward input {node.name} does not have the shape of parameter {inp.fqn}")
-    if len(_outputs(forward)) != saved + 1:
-        fail(where, f"forward graph returns {len(_outputs(forward))} values, expected loss + {saved} saved")
+        if inp.kind == "buffer" and (not isinstance(val, dict) or val.get("shape") != next(buffer_shapes)):
+            fail(where, f"forward input {node.name} does not have the shape of buffer {inp.fqn}")
+    updates = len(record.mutated_buffers)
+    if len(_outputs(forward)) != updates + saved + 1:
+        fail(where, f"forward graph returns {len(_outputs(forward))} values, expected {updates} buffer updates + "
+                    f"loss + {saved} saved")
     if len(_placeholders(backward)) != saved + 1:
         fail(where, f"backward graph takes {len(_placeholders(backward))} inputs, expected {saved} saved + 1")
     if len(_outputs(backward)) != len(inputs):

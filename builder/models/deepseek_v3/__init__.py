@@ -1,10 +1,8 @@
 """DeepSeek-V3 (multi-head latent attention, a mixture of experts with expert parallelism):
 shapes (config.py), module code (model.py, moe.py), parameter init (init.py), the token dispatch (dispatch.py), expert
-layout (expert_parallel.py) and transformers' names (hf_names.py), behind one ModelSpec.
+layout (expert_parallel.py), tensor-parallel plan (tp_plan.py) and transformers' names (hf_names.py), behind
+one ModelSpec.
 Importing this imports no torch.
-
-Not in the registry yet: the build pipeline must first carry the MoE layers' state buffers and
-an `ep` mesh dimension (README.md, "Not wired yet").
 """
 
 from __future__ import annotations
@@ -16,20 +14,33 @@ from titan.builder.models.spec import ModelSpec, lazy
 from titan.runtime.contract.layout import Layout
 
 
-def _tp_plan(model) -> dict:
-    raise AssertionError("check_layout refuses --tp > 1 for deepseek_v3")
+def is_expert_param(fqn: str) -> bool:
+    """Whether a parameter is a routed expert's (split over ep, data parallel over the rest)."""
+    # The stacked expert weights are the model's only parameters not named "<module>.weight".
+    return fqn.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
+
+
+BUFFER_METRICS = {"tokens_per_expert": "tokens_per_expert", "dropped_tokens": "dropped_tokens"}
+
+
+def buffer_metric(fqn: str) -> str | None:
+    """The MoE layers' load buffers feed titan-run's per-step expert-load metrics."""
+    return BUFFER_METRICS.get(fqn.rsplit(".", 1)[-1])
 
 
 def check_layout(cfg: DeepSeekV3Config, layout: Layout) -> None:
     """Raise ValueError, naming the reason, when the layout does not fit the model."""
-    if layout.tp > 1:
-        raise ValueError("deepseek_v3 has no tensor-parallel plan yet; build it with --tp 1")
+    require_divides("tp", layout.tp, {"attention heads": cfg.n_heads,
+                                      "dense feed-forward hidden width": cfg.dense_hidden,
+                                      "vocabulary size": cfg.vocab_size})
+    require_divides("ep", layout.ep, {"routed experts": cfg.n_routed_experts})
     qk = cfg.n_heads * cfg.qk_head_dim
     # FSDP shards dim 0 of every parameter (the stacked experts: the expert dim).
     dim0s = {"embedding rows": cfg.vocab_size, "model width": cfg.dim, "query projection rows": qk,
              "key/value latent rows": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
              "key/value projection rows": cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-             "dense feed-forward rows": cfg.dense_hidden, "routed experts": cfg.n_routed_experts,
+             "dense feed-forward rows": cfg.dense_hidden,
+             "routed experts per --ep rank": cfg.n_routed_experts // layout.ep,
              "shared expert rows": cfg.moe_hidden * cfg.n_shared_experts}
     if cfg.q_lora_rank:
         dim0s["query latent rows"] = cfg.q_lora_rank
@@ -45,8 +56,11 @@ SPEC = ModelSpec(
     name="deepseek_v3",
     flavors=FLAVORS,
     build=lazy("titan.builder.models.deepseek_v3.model:DeepSeekV3"),
-    tp_plan=_tp_plan,
+    tp_plan=lazy("titan.builder.models.deepseek_v3.tp_plan:tp_plan"),
     init_specs=init_specs,
     check_layout=check_layout,
     region_kind=region_kind,
+    expert_param=is_expert_param,
+    place_rank=lazy("titan.builder.models.deepseek_v3.expert_parallel:place_rank"),
+    buffer_metric=buffer_metric,
 )

@@ -146,8 +146,12 @@ def dispatch_and_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     slot = torch.arange(cap, device=device)
     pos = rank_start[:-1, None] + slot  # (ep, cap)
     sent = slot < rank_start.diff()[:, None]
-    token_of_pos = order[pos.clamp(max=n_assign - 1)] // k
-    send = _rows_or_zero(x, token_of_pos, sent).flatten(0, 1)
+    # Gather from one row per assignment, not per token: every real row is then read at most
+    # once, so the gather's backward adds one value per row. Gathering a token's row k times
+    # would make the backward a scatter-add with repeated indices, which CPU kernels run with
+    # parallel atomic adds: gradients that change from run to run in the last bits.
+    x_assign = x[:, None, :].expand(tokens, k, x.shape[-1]).reshape(n_assign, x.shape[-1])
+    send = _rows_or_zero(x_assign, order[pos.clamp(max=n_assign - 1)], sent).flatten(0, 1)
 
     # Per (destination, expert) counts of the rows that fit in the block; the rest is dropped.
     block_offset = (expert_start[:-1] - rank_start[:-1].repeat_interleave(local)).view(ep, local)

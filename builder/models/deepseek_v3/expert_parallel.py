@@ -12,26 +12,45 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan.builder.models.deepseek_v3 import is_expert_param
 from titan.builder.models.deepseek_v3.dispatch import DispatchPlan, make_plan
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
+from titan.builder.models.spec import RankPlace
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+__all__ = ["is_expert_param", "place_rank", "set_dispatch", "shard_experts"]
 
 
 def set_dispatch(model: DeepSeekV3, *, tokens: int, ep: int = 1, ep_group: dist.ProcessGroup | None = None,
-                 load_group: dist.ProcessGroup | None = None,
+                 load_groups: tuple[dist.ProcessGroup, ...] = (),
                  capacity_factor: float | None = None) -> DispatchPlan:
     """Give every MoE layer its static dispatch plan for `tokens` routed per rank per step.
 
-    ep_group: the expert-parallel peers (None when ep == 1); load_group: every data-parallel
-    rank sharing the balancing bias (None on a single rank).
+    ep_group: the expert-parallel peers (None when ep == 1); load_groups: groups whose sums,
+    taken one after the other, add up every rank that routes its own tokens and shares the
+    balancing bias (none on a single rank).
     """
     cfg = model.cfg
     plan = make_plan(n_experts=cfg.n_routed_experts, ep=ep, tokens=tokens, top_k=cfg.top_k,
                      capacity_factor=capacity_factor)
     for moe in model.moe_layers():
-        moe.plan, moe.ep_group, moe.load_group = plan, ep_group, load_group
+        moe.plan, moe.ep_group, moe.load_groups = plan, ep_group, load_groups
     return plan
+
+
+def place_rank(model: DeepSeekV3, place: RankPlace) -> dict:
+    """The ModelSpec hook: every rank routes its own tokens (its sequence shard under tp), sends
+    them to the experts' ranks over `ep` and sums the expert load over every mesh dimension (all
+    ranks route distinct tokens). Returns the dispatch plan, the same on every rank."""
+    layout, mesh = place.layout, place.mesh
+    names = mesh.mesh_dim_names if mesh is not None else ()
+    plan = set_dispatch(model, tokens=place.batch_size * place.seq_len // layout.tp, ep=layout.ep,
+                        ep_group=mesh.get_group("ep") if "ep" in names else None,
+                        load_groups=tuple(mesh.get_group(name) for name in names))
+    return {"moe_layers": [i for i, block in model.layers.items() if block.moe],
+            "routed_experts": plan.n_experts, "ep": plan.ep, "experts_per_rank": plan.experts_per_rank,
+            "top_k": plan.top_k, "tokens_per_rank": plan.tokens, "capacity": plan.capacity,
+            "buffer_rows": plan.buffer_rows, "dropless": plan.dropless}
 
 
 def shard_experts(model: DeepSeekV3, *, ep: int, ep_rank: int) -> None:
@@ -43,8 +62,3 @@ def shard_experts(model: DeepSeekV3, *, ep: int, ep_rank: int) -> None:
             local = full.detach().narrow(0, ep_rank * per_rank, per_rank)
             setattr(moe, name, nn.Parameter(local.clone() if local.device.type != "meta" else torch.empty_like(local)))
 
-
-def is_expert_param(fqn: str) -> bool:
-    """Whether a parameter is a routed expert's (sharded over ep, not data-parallel reduced over it)."""
-    # The stacked expert weights are the model's only parameters not named "<module>.weight".
-    return fqn.rsplit(".", 1)[-1] in EXPERT_WEIGHTS

@@ -58,6 +58,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * cfg.v_head_dim, cfg.dim, bias=False)
+        # Where the rotary key part, shared by all heads, meets the heads: an identity that the
+        # tensor-parallel plan hooks (each rank holds some heads, so its gradient is a share).
+        self.rope_key = nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -70,7 +73,7 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         heads = k_nope.shape[2]
-        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin).expand(-1, -1, heads, -1)
+        k_rope = self.rope_key(apply_rope(k_rope[:, :, None, :], cos, sin)).expand(-1, -1, heads, -1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         if cfg.rope_factor > 1.0:

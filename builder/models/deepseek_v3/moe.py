@@ -44,8 +44,8 @@ class MoE(nn.Module):
 
     `plan` and `ep_group` are set by whoever lays the model out (the builder, the eager
     reference, a test) before the first forward: the dispatch needs the static token count.
-    `load_group` is the data-parallel group whose ranks share the balancing bias; their
-    expert loads are summed so that every replica applies the same update.
+    `load_groups` add up every rank that routes its own tokens and shares the balancing bias:
+    their expert loads are summed so that every replica applies the same update.
 
     Buffers written by each forward (read after the step, never inside it):
     `expert_bias` (the balancing bias, updated from this step's load), `tokens_per_expert`
@@ -68,7 +68,7 @@ class MoE(nn.Module):
         self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64))
         self.plan: DispatchPlan | None = None
         self.ep_group: dist.ProcessGroup | None = None
-        self.load_group: dist.ProcessGroup | None = None
+        self.load_groups: tuple[dist.ProcessGroup, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.plan is not None, "set MoE.plan (the static dispatch sizes) before running the model"
@@ -88,8 +88,8 @@ class MoE(nn.Module):
         """Auxiliary-loss-free balancing (DeepSeek-V3, section 2.1.2): after routing with the
         current bias, move every expert's bias by bias_update_rate towards the mean load."""
         counts = torch.cat([tokens_per_expert, dropped.view(1)])
-        if self.load_group is not None:
-            counts = funcol.all_reduce(counts, "sum", self.load_group)
+        for group in self.load_groups:  # integer sums: exact in any order
+            counts = funcol.all_reduce(counts, "sum", group)
         load, dropped = counts[:-1], counts[-1]
         load_f = load.float()
         self.expert_bias.add_(torch.sign(load_f.mean() - load_f) * self.cfg.bias_update_rate)
