@@ -10,7 +10,6 @@ never sees; this wraps the rank so that the profile is written first.
 from __future__ import annotations
 
 import cProfile
-import os
 import runpy
 import sys
 

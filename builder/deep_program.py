@@ -22,9 +22,16 @@ from titan.runtime.contract.graph_doc import BIND, read_doc
 from titan.runtime.contract.rank_record import bind_program
 
 
+def _depths(spec) -> tuple[tuple[int, ...], int]:
+    """The shallow depths and the check depth for this model: its leading blocks (which differ
+    from the repeated one, ModelSpec.leading_layers) are kept in every shallow trace."""
+    lead = spec.model_spec.leading_layers(spec.cfg)
+    return tuple(lead + d for d in STAMP_DEPTHS), lead + STAMP_CHECK_DEPTH
+
+
 def stampable(spec) -> bool:
     """Whether fitting from shallow traces can pay: a model deeper than the depths it traces."""
-    return getattr(spec.cfg, "n_layers", 0) > STAMP_CHECK_DEPTH
+    return getattr(spec.cfg, "n_layers", 0) > _depths(spec)[1]
 
 
 def _at_rank_zero(value):
@@ -50,18 +57,19 @@ def deep_program(tracer, spec, probes: list[int]) -> Program:
     """The program of every rank at the model's full depth; NotStampable or NotOneProgram when
     the shallow traces do not give it (the caller traces at full depth)."""
     layout = spec.layout
-    tracer.trace(probes, depths=lambda r: STAMP_DEPTHS + ((STAMP_CHECK_DEPTH,) if r == probes[0] else ()))
-    shallow = [one_program(layout, [tracer.traces[r, d] for r in probes]) for d in STAMP_DEPTHS]
-    fitted = fit_program(list(STAMP_DEPTHS), [read_doc(p.forward) for p in shallow],
+    depths, check_depth = _depths(spec)
+    tracer.trace(probes, depths=lambda r: depths + ((check_depth,) if r == probes[0] else ()))
+    shallow = [one_program(layout, [tracer.traces[r, d] for r in probes]) for d in depths]
+    fitted = fit_program(list(depths), [read_doc(p.forward) for p in shallow],
                          [read_doc(p.backward) for p in shallow], [_without_init(p.meta) for p in shallow])
-    check = tracer.traces[probes[0], STAMP_CHECK_DEPTH]
-    forward, backward, meta = (_at_rank_zero(x) for x in fitted.at(STAMP_CHECK_DEPTH))
+    check = tracer.traces[probes[0], check_depth]
+    forward, backward, meta = (_at_rank_zero(x) for x in fitted.at(check_depth))
     for what, fit, traced in (("forward graph", forward, read_doc(check.forward)),
                               ("backward graph", backward, read_doc(check.backward)),
                               ("metadata", meta, _without_init(program_meta(check.meta, layout)))):
         if fit != traced:
-            raise NotStampable(f"the {what} fitted from depths {STAMP_DEPTHS[0]}-{STAMP_DEPTHS[-1]} differs from "
-                               f"rank 0's trace at depth {STAMP_CHECK_DEPTH}")
+            raise NotStampable(f"the {what} fitted from depths {depths[0]}-{depths[-1]} differs from "
+                               f"rank 0's trace at depth {check_depth}")
     forward, backward, meta = fitted.at(spec.cfg.n_layers)
     init = spec.model_spec.init_specs(spec.cfg)
     meta["params"] = [dict(p, init=init[p["fqn"]]) for p in meta["params"]]

@@ -123,6 +123,10 @@ class ModelSpec:
     buffer_metric: Callable[[str], str | None] = lambda fqn: None
     """Buffer name -> the per-step metric titan-run reads from it after each step
     ('tokens_per_expert' or 'dropped_tokens', runtime/buffer_state.py), or None."""
+    leading_layers: Callable[[ModelConfig], int] = lambda cfg: 0
+    """How many first blocks differ from the repeated block that follows them (e.g. dense
+    feed-forward blocks before the experts): a deep model's shallow traces keep all of them and
+    add 3-5 repeated blocks (builder/deep_program.py)."""
     hf_checkpoint: Callable[[ModelConfig, list[str]], HFRecord] | None = None
     """The Hugging Face checkpoint record for the given parameters (names, row permutations,
     expected config.json values), written into the manifest for --init-from-hf and

@@ -63,4 +63,5 @@ SPEC = ModelSpec(
     expert_param=is_expert_param,
     place_rank=lazy("titan.builder.models.deepseek_v3.expert_parallel:place_rank"),
     buffer_metric=buffer_metric,
+    leading_layers=lambda cfg: cfg.n_dense_layers,
 )
