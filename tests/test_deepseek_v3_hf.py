@@ -146,7 +146,7 @@ def test_yarn_checkpoint_config_is_accepted_and_matches(tmp_path):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
     plain = save_hf_model(CFG, tmp_path / "plain")
     assert not torch.equal(hf_loss(plain, batch), expected), "YaRN changed nothing: the test would not see it"
-    with pytest.raises(ValueError, match="RoPE scaling 'default' is not what this artifact's model implements"):
+    with pytest.raises(ValueError, match="RoPE scaling 'default' is not implemented by this artifact's model"):
         HFCheckpoint(tmp_path / "plain", record=SPEC.hf_checkpoint(cfg, list(SPEC.init_specs(cfg))))
 
 
