@@ -18,7 +18,9 @@ from titan.builder.models.deepseek_v3 import SPEC
 from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
 from titan.builder.models.deepseek_v3.hf_names import BALANCING_BIAS, hf_config_kwargs
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
+from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.hf_weights import HFCheckpoint, export_hf
+from titan.runtime.shards import shard_box
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,13 +50,19 @@ def hf_loss(model, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
 
 
-def titan_tensors(cfg) -> list[dict]:
-    """The parameters and balancing biases of `cfg`'s model as an artifact's rank metadata
-    describes them (whole tensors: no slices)."""
+def param_spec(fqn: str, shape, *, dtype: str = "float32", slices: tuple = ()) -> ParamSpec:
+    """A parameter as an artifact's rank record describes it (`slices`: this rank's cuts)."""
+    local = shard_box(slices, list(shape)).local_shape
+    return ParamSpec(fqn=fqn, global_shape=tuple(shape), local_shape=local, placements={}, slices=slices, init={},
+                     dtype=dtype)
+
+
+def titan_tensors(cfg) -> list[ParamSpec]:
+    """The parameters and balancing biases of `cfg`'s model, whole (no slices)."""
     with torch.device("meta"):
         model = DeepSeekV3(cfg)
     biases = [(fqn, b) for fqn, b in model.named_buffers() if fqn.endswith(BALANCING_BIAS)]
-    return [{"fqn": fqn, "global_shape": list(t.shape), "slices": [], "dtype": str(t.dtype).removeprefix("torch.")}
+    return [param_spec(fqn, t.shape, dtype=str(t.dtype).removeprefix("torch."))
             for fqn, t in [*model.named_parameters(), *biases]]
 
 
@@ -63,7 +71,7 @@ def read_through_record(cfg, path) -> dict[str, torch.Tensor]:
     record = SPEC.hf_checkpoint(cfg, list(SPEC.init_specs(cfg)))
     ckpt = HFCheckpoint(path, record=record)
     try:
-        return {p["fqn"]: ckpt.read_shard(p, device=torch.device("cpu")) for p in titan_tensors(cfg)}
+        return {p.fqn: ckpt.read_shard(p, device=torch.device("cpu")) for p in titan_tensors(cfg)}
     finally:
         ckpt.close()
 
@@ -125,8 +133,7 @@ def test_first_step_loss_matches_transformers_with_two_expert_parallel_ranks(hf_
         for fqn in record.stacked:
             shape = list(full[fqn].shape)
             for rank in range(2):
-                part = ckpt.read_shard({"fqn": fqn, "global_shape": shape, "slices": [[0, 2, rank]]},
-                                       device=torch.device("cpu"))
+                part = ckpt.read_shard(param_spec(fqn, shape, slices=((0, 2, rank),)), device=torch.device("cpu"))
                 assert torch.equal(part, full[fqn].chunk(2)[rank])
     finally:
         ckpt.close()
