@@ -15,7 +15,7 @@ source "$(dirname "$0")/gpu_common.sh"
 STEPS=${STEPS:-10}
 SEQ_LEN=${SEQ_LEN:-2048}
 install_titan
-python3 -c "import torch; print(f'== torch {torch.__version__}, {torch.cuda.get_device_name(0)}')"
+python3 -c "import torch; print('== torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
 
 declare -A ROW
 for name in debug 16B-4L; do
