@@ -5,6 +5,8 @@ hidden.
   holds no op that reads a device value on the host or makes a shape data dependent, and no
   tensor that lives on the host: traced on the meta device, every value must stay there, so a
   tensor made on the CPU (a `.cpu()`, a `torch.tensor(list)`, a `.tolist()` round trip) shows.
+- The graphs titan-build writes for ep=2 (every rank's forward and backward, as the runtime
+  reads them) hold none of those ops, only static shapes, and equal-split all-to-alls.
 - With a capacity factor below the dropless bound, the dropped assignments that every rank
   reports after the step equal a count made by hand from the routing, in the eager step and
   in the exported graphs.
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import fx
 
 from test_deepseek_v3 import BATCH, CFG, SEQ, _batch, _run_ep_ranks, _weights
+from titan.builder.models.deepseek_v3.dispatch import make_plan
 from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.builder.models.deepseek_v3.moe import route
@@ -79,6 +82,34 @@ def test_expert_parallel_step_traces_to_static_shapes_without_host_sync():
     assert all(n.args[1] == n.args[2] and n.args[1] in ([plan.capacity] * 2, [plan.experts_per_rank] * 2)
                for n in a2a)
     assert sum(str(n.target) == "titan.grouped_mm.default" for n in calls) == 9 * CFG.n_moe_layers
+
+
+def test_built_graphs_have_no_host_sync_and_static_shapes(debug_artifact):
+    """Every rank's forward and backward graph of `titan-build --model deepseek_v3 --ep 2`, read
+    as the runtime reads them (digest-verified graph documents)."""
+    from titan.runtime.artifact import open_artifact
+    from titan.runtime.contract.graph_doc import read_doc
+
+    art = open_artifact(debug_artifact(extra=("--model", "deepseek_v3", "--ep", "2")))
+    tokens = art.manifest.batch_size * art.manifest.seq_len
+    plan = make_plan(n_experts=CFG.n_routed_experts, ep=2, tokens=tokens, top_k=CFG.top_k)
+    splits = ([plan.capacity] * 2, [plan.experts_per_rank] * 2)
+    for rank in range(art.world_size):
+        entry = art.rank_entry(rank)
+        a2a = []
+        for kind in ("forward", "backward"):
+            nodes = read_doc(art.read_verified(getattr(entry, kind)))["nodes"]
+            calls = [n for n in nodes if n["op"] == "call_function"]
+            targets = {n["target"] for n in calls}
+            assert not (targets | {t.rsplit(".", 1)[0] for t in targets}) & HOST_SYNC_OPS, (rank, kind)
+            for n in nodes:
+                shapes = [n["val"]] if isinstance(n.get("val"), dict) else n.get("val") or []
+                for v in shapes:
+                    if isinstance(v, dict) and "shape" in v:
+                        assert all(type(s) is int for s in v["shape"]), (rank, kind, n["name"])
+            a2a += [n for n in calls if n["target"] == ALL_TO_ALL]
+        assert len(a2a) == 5 * CFG.n_moe_layers, rank
+        assert all(n["args"][1] == n["args"][2] and n["args"][1] in splits for n in a2a), rank
 
 
 def _first_moe_routing(state: dict, batch: dict) -> torch.Tensor:

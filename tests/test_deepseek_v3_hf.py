@@ -2,17 +2,20 @@
 save_pretrained (safetensors), read through the artifact's hf_checkpoint record exactly as
 --init-from-hf reads it (runtime/hf_weights.py: one tensor per expert stacked on the expert
 dim, the balancing bias included), gives titan's model the same first-step loss on the same
-tokens; with two expert-parallel ranks each rank reads only its own experts."""
+tokens: the model on one rank, on two expert-parallel ranks (each reads only its own experts),
+and `titan-build --ep 2` + `titan-run --init-from-hf`."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import read_metrics, titan
 from test_deepseek_v3 import CFG, _batch, _run_ep_ranks
 from titan.builder.models.deepseek_v3 import SPEC
 from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
@@ -172,3 +175,36 @@ def test_export_writes_the_checkpoint_back(hf_debug, tmp_path):
     assert all(torch.equal(original[k], written[k]) for k in original)
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     assert torch.equal(hf_loss(model.eval(), _batch()), expected)
+
+
+def test_titan_run_from_the_checkpoint_with_two_expert_parallel_ranks(hf_debug, debug_artifact, tmp_path):
+    """`titan-run --init-from-hf` on the ep=2 debug artifact (float32): the first step's loss is
+    transformers' on the same global batch to rtol 1e-5 (here 6.3179855 vs 6.3179860: 4.8e-7
+    apart, float32 summation order), and the same weights with the balancing bias left at zero
+    give a loss 5.5e-4 away, 9 times that tolerance (so the bias came from the checkpoint too)."""
+    path, _ = hf_debug
+    ep2_artifact = debug_artifact(extra=("--model", "deepseek_v3", "--ep", "2"))
+    manifest = json.loads((ep2_artifact / "manifest.json").read_text())
+    seq_len, n_seq = manifest["seq_len"], manifest["batch_size"] * manifest["layout"]["ep"]
+    tokens = torch.randint(0, CFG.vocab_size, (n_seq * seq_len + 1,), generator=torch.Generator().manual_seed(3))
+    token_file = tmp_path / "tokens.u16"
+    token_file.write_bytes(tokens.numpy().astype(np.uint16).tobytes())
+    metrics = tmp_path / "metrics.jsonl"
+    r = titan("run", ep2_artifact, "--init-from-hf", path, "--steps", 1, "--data", token_file, "--metrics", metrics)
+    assert r.returncode == 0, r.stderr
+    record = read_metrics(metrics)[0]
+
+    # runtime/data.py: step 0's global batch is windows 0 .. n_seq - 1 of seq_len + 1 tokens.
+    windows = torch.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(n_seq)])
+    batch = {"tokens": windows[:, :-1], "labels": windows[:, 1:]}
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    reference = hf_loss(model, batch).item()
+    assert record["loss"] == pytest.approx(reference, rel=1e-5), (record["loss"], reference)
+    state = read_through_record(CFG, path)
+    unbiased = titan_loss(CFG, {k: torch.zeros_like(v) if k.endswith(BALANCING_BIAS) else v
+                                for k, v in state.items()}, batch).item()
+    print(f"titan {record['loss']!r} transformers {reference!r} with a zero bias {unbiased!r}")
+    assert abs(unbiased - reference) > 5 * 1e-5 * reference
+    # Dropless, and the expert load of the step as the metrics report it.
+    assert record["dropped_tokens"] == 0
+    assert record["expert_load_mean"] == n_seq * seq_len * CFG.top_k / CFG.n_routed_experts
