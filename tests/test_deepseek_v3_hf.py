@@ -22,10 +22,12 @@ from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
 from titan.builder.models.deepseek_v3.hf_names import BALANCING_BIAS, hf_config_kwargs
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.runtime.contract.rank_record import ParamSpec
-from titan.runtime.hf_weights import HFCheckpoint, export_hf
+from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.shards import shard_box
 
 transformers = pytest.importorskip("transformers")
+EP2 = ("--model", "deepseek_v3", "--ep", "2")
+"""titan-build flags of the debug DeepSeek-V3 artifact with two expert-parallel ranks."""
 
 
 def save_hf_model(cfg, path) -> torch.nn.Module:
@@ -160,20 +162,23 @@ def test_yarn_checkpoint_config_is_accepted_and_matches(tmp_path):
         HFCheckpoint(tmp_path / "plain", record=SPEC.hf_checkpoint(cfg, list(SPEC.init_specs(cfg))))
 
 
-def test_export_writes_the_checkpoint_back(hf_debug, tmp_path):
-    """titan-export's writer puts the stacked experts back as one tensor per expert, and the
-    config.json it writes describes the same model (transformers loads it, same loss)."""
+def test_export_round_trip_with_two_expert_parallel_ranks(hf_debug, debug_artifact, tmp_path):
+    """Hugging Face -> `titan-run --init-from-hf --steps 0 --checkpoint-dir` on the ep=2 artifact
+    (each rank holds half the experts) -> `titan-export`: every tensor of the checkpoint comes
+    back bit for bit, one tensor per expert and the balancing bias included, and transformers
+    loads the written directory to the same loss."""
     from safetensors.torch import load_file
 
     path, expected = hf_debug
-    tensors = read_through_record(CFG, path)
-    record = SPEC.hf_checkpoint(CFG, list(SPEC.init_specs(CFG)))
-    description = {"hf_checkpoint": record.to_json(), "hf_config": json.loads((path / "config.json").read_text())}
-    export_hf(tmp_path / "out", description, tensors, dtype="float32")
-    original, written = load_file(path / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    art, ckpt, out = debug_artifact(extra=EP2), tmp_path / "ckpt", tmp_path / "exported"
+    r = titan("run", art, "--init-from-hf", path, "--steps", 0, "--checkpoint-dir", ckpt)
+    assert r.returncode == 0, r.stderr
+    r = titan("export", ckpt, "--hf", out)
+    assert r.returncode == 0, r.stderr
+    original, written = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
     assert original.keys() == written.keys()
     assert all(torch.equal(original[k], written[k]) for k in original)
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager")
     assert torch.equal(hf_loss(model.eval(), _batch()), expected)
 
 
@@ -183,7 +188,7 @@ def test_titan_run_from_the_checkpoint_with_two_expert_parallel_ranks(hf_debug, 
     apart, float32 summation order), and the same weights with the balancing bias left at zero
     give a loss 5.5e-4 away, 9 times that tolerance (so the bias came from the checkpoint too)."""
     path, _ = hf_debug
-    ep2_artifact = debug_artifact(extra=("--model", "deepseek_v3", "--ep", "2"))
+    ep2_artifact = debug_artifact(extra=EP2)
     manifest = json.loads((ep2_artifact / "manifest.json").read_text())
     seq_len, n_seq = manifest["seq_len"], manifest["batch_size"] * manifest["layout"]["ep"]
     tokens = torch.randint(0, CFG.vocab_size, (n_seq * seq_len + 1,), generator=torch.Generator().manual_seed(3))
