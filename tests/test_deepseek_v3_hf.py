@@ -15,15 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import read_metrics, titan
+from conftest import param_spec, read_metrics, titan
 from test_deepseek_v3 import CFG, _batch, _run_ep_ranks
 from titan.builder.models.deepseek_v3 import SPEC
 from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
 from titan.builder.models.deepseek_v3.hf_names import BALANCING_BIAS, hf_config_kwargs
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
-from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.hf_weights import HFCheckpoint
-from titan.runtime.shards import shard_box
 
 transformers = pytest.importorskip("transformers")
 EP2 = ("--model", "deepseek_v3", "--ep", "2")
@@ -55,20 +53,14 @@ def hf_loss(model, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
 
 
-def param_spec(fqn: str, shape, *, dtype: str = "float32", slices: tuple = ()) -> ParamSpec:
-    """A parameter as an artifact's rank record describes it (`slices`: this rank's cuts)."""
-    local = shard_box(slices, list(shape)).local_shape
-    return ParamSpec(fqn=fqn, global_shape=tuple(shape), local_shape=local, placements={}, slices=slices, init={},
-                     dtype=dtype)
-
-
-def titan_tensors(cfg) -> list[ParamSpec]:
+def titan_tensors(cfg) -> list:
     """The parameters and balancing biases of `cfg`'s model, whole (no slices)."""
     with torch.device("meta"):
         model = DeepSeekV3(cfg)
     biases = [(fqn, b) for fqn, b in model.named_buffers() if fqn.endswith(BALANCING_BIAS)]
-    return [param_spec(fqn, t.shape, dtype=str(t.dtype).removeprefix("torch."))
-            for fqn, t in [*model.named_parameters(), *biases]]
+    tensors = [*model.named_parameters(), *biases]
+    assert all(t.dtype == torch.float32 for _, t in tensors)
+    return [param_spec(fqn, list(t.shape), []) for fqn, t in tensors]
 
 
 def read_through_record(cfg, path) -> dict[str, torch.Tensor]:
@@ -110,7 +102,7 @@ def test_checkpoint_holds_one_tensor_per_expert_and_the_record_names_every_tenso
     assert not any("gate_up_proj" in name for name in on_disk)
     record = SPEC.hf_checkpoint(CFG, list(SPEC.init_specs(CFG)))
     read = set(record.names.values())
-    for fqn, pattern in record.stacked.items():
+    for fqn in record.stacked:
         read |= set(record.hf_names(fqn, CFG.n_routed_experts))
     assert read == on_disk
 
@@ -138,7 +130,7 @@ def test_first_step_loss_matches_transformers_with_two_expert_parallel_ranks(hf_
         for fqn in record.stacked:
             shape = list(full[fqn].shape)
             for rank in range(2):
-                part = ckpt.read_shard(param_spec(fqn, shape, slices=((0, 2, rank),)), device=torch.device("cpu"))
+                part = ckpt.read_shard(param_spec(fqn, shape, [[0, 2, rank]]), device=torch.device("cpu"))
                 assert torch.equal(part, full[fqn].chunk(2)[rank])
     finally:
         ckpt.close()
