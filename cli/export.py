@@ -18,15 +18,19 @@ from titan.cli.options import NonEmptyPath
               help="Element type of the written weights (the checkpoint holds fp32).")
 def main(checkpoint, out, dtype):
     """Write CHECKPOINT (a --checkpoint-dir, for its latest step, or one step-N directory) in
-    Hugging Face's Llama layout."""
-    from titan.runtime.checkpoint import load_full, resolve_checkpoint
+    Hugging Face's layout (LlamaForCausalLM, DeepseekV3ForCausalLM)."""
+    from titan.runtime.checkpoint import load_full, read_state, resolve_checkpoint
+    from titan.runtime.contract.hf_record import RECORD, hf_record
     from titan.runtime.hf_weights import export_hf
 
     out = Path(out)
     if out.exists():
         raise ValueError(f"--hf {out} already exists; choose a new directory (titan-export never overwrites)")
     step_dir = resolve_checkpoint(checkpoint, flag="titan-export", step_dir_ok=True)
-    description, tensors = load_full(step_dir)
+    description = read_state(step_dir)
+    # Buffers a checkpoint of the model holds (a MoE balancing bias) are exported with the weights.
+    held = frozenset(hf_record(description, "titan-export").names) if description.get(RECORD) else frozenset()
+    description, tensors = load_full(step_dir, float_buffers=held)
     export_hf(out, description, tensors, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
     click.echo(f"wrote {out} ({len(tensors)} tensors, {dtype}) from {step_dir} (step {description['step']})")
 

@@ -13,20 +13,26 @@ Their element types and metric names are checked when the record is read
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 if TYPE_CHECKING:
-    from titan.runtime.contract.rank_record import RankRecord
+    from titan.runtime.contract.rank_record import BufferSpec, RankRecord
 
 
 class BufferState:
     """This rank's buffers, by name, in the order the metadata lists them."""
 
-    def __init__(self, record: RankRecord, *, device: torch.device):
+    def __init__(self, record: RankRecord, *, device: torch.device,
+                 load: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None):
+        """`load`: a buffer's initial value (e.g. from a Hugging Face checkpoint), None for zeros."""
         self.specs = record.buffers
-        self.tensors = {b.fqn: torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=device) for b in self.specs}
+        self.tensors = {}
+        for b in self.specs:
+            loaded = load(b)
+            self.tensors[b.fqn] = (torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=device)
+                                   if loaded is None else loaded)
         self.mutated = list(record.mutated_buffers)
 
     def __len__(self) -> int:

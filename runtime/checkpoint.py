@@ -214,10 +214,12 @@ def load(step_dir: Path, *, params: tuple[ParamSpec, ...], tensors: list[torch.T
     return description
 
 
-def load_full(step_dir: Path, *, families: tuple[str, ...] = ("model",)) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_full(step_dir: Path, *, families: tuple[str, ...] = ("model",),
+              float_buffers: frozenset[str] = frozenset()) -> tuple[dict, dict[str, torch.Tensor]]:
     """Single process: the checkpoint's titan.json and its full (global) tensors by fqn, for
     each family ("model", "optim.exp_avg", "optim.exp_avg_sq"; keys "<family>.<fqn>" when
-    several are asked for, plain fqns for one)."""
+    several are asked for, plain fqns for one), and with one family the float32 buffers named in
+    `float_buffers` that the checkpoint holds (a MoE balancing bias, for titan-export)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -229,12 +231,15 @@ def load_full(step_dir: Path, *, families: tuple[str, ...] = ("model",)) -> tupl
         raise ValueError(f"{step_dir / STATE_FILE} lists no parameters; it was not written by titan-run")
     state = {f"{family}.{fqn}": torch.empty(shape, dtype=torch.float32)
              for family in families for fqn, shape in shapes.items()}
-    boxes = {f"{family}.{fqn}": ([0] * len(shape), list(shape), list(shape))
-             for family in families for fqn, shape in shapes.items()}
+    if len(families) == 1:
+        state.update({f"buffer.{fqn}": torch.empty(shape, dtype=torch.float32)
+                      for fqn, shape in (description.get("buffers") or {}).items() if fqn in float_buffers})
+    boxes = {key: ([0] * t.dim(), list(t.shape), list(t.shape)) for key, t in state.items()}
     _dcp_call(dcp.load, state, planner=BoxLoadPlanner(boxes, where=str(step_dir)),
               storage_reader=HuggingFaceStorageReader(str(step_dir)))
     if len(families) == 1:
-        state = {key[len(families[0]) + 1:]: t for key, t in state.items()}
+        prefixes = (f"{families[0]}.", "buffer.")
+        state = {next(key[len(p):] for p in prefixes if key.startswith(p)): t for key, t in state.items()}
     return description, state
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from titan.runtime.contract.hf_record import HFRecord, hf_record
+from titan.runtime.contract.hf_record import ROPE_PREFIX, ROPE_TYPE, HFRecord, hf_record
 from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.init import pad_shard
 from titan.runtime.shards import ShardBox, shard_box
@@ -73,11 +73,12 @@ def check_hf_config(hf_dir: Path, record: HFRecord) -> dict:
     if not isinstance(rope, dict):
         raise ValueError(f"{where}: rope_scaling / rope_parameters is not a JSON object; re-download or re-save "
                          "the model")
-    rope_type = rope.get("rope_type", rope.get("type"))
-    if rope_type not in (None, "default"):
-        raise ValueError(f"{where}: RoPE scaling {rope_type!r} is not implemented by titan's models (plain "
-                         "RoPE only); use a checkpoint without rope_scaling (e.g. Llama 3 8B, not 3.1)")
     expected = record.config
+    rope_type, want_rope = rope.get("rope_type", rope.get("type")) or "default", expected.get(ROPE_TYPE, "default")
+    if rope_type != want_rope:
+        raise ValueError(f"{where}: RoPE scaling {rope_type!r} is not implemented by this artifact's model (its RoPE: "
+                         f"{want_rope!r}); use a checkpoint of the artifact's model (for Llama 3, one without "
+                         "rope_scaling: e.g. Llama 3 8B, not 3.1)")
     # Hugging Face's defaults for fields a config may leave out (or null).
     given = {k: v for k, v in cfg.items() if v is not None}
     given.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
@@ -87,6 +88,8 @@ def check_hf_config(hf_dir: Path, record: HFRecord) -> dict:
         given[flag] = bool(given.get(flag, False))
     if "rope_theta" not in given and "rope_theta" in rope:
         given["rope_theta"] = rope["rope_theta"]
+    given.update({ROPE_PREFIX + k: v for k, v in rope.items() if v is not None})
+    given[ROPE_TYPE] = rope_type
     wrong = []
     for key, want in expected.items():
         if key not in given:
@@ -110,7 +113,7 @@ class HFCheckpoint:
         self.names = dict(record.names)
         if self.config.get("tie_word_embeddings", False):
             self.names.update(record.tied_names)
-        self.rope_permuted = record.rope_permuted
+        self.rope_permuted, self.stacked, self.record = record.rope_permuted, record.stacked, record
         self.files = self._weight_map()
         self._open: dict[str, object] = {}
 
@@ -153,41 +156,53 @@ class HFCheckpoint:
             self._open[key] = self._safe_open(path).__enter__()
         return self._open[key].get_slice(name)
 
-    def check_shape(self, param: ParamSpec) -> str:
-        """The HF name of `param`, after checking that its tensor has the parameter's global shape."""
-        name = self.names.get(param.fqn)
-        if name is None:
-            raise ValueError(f"--init-from-hf: the artifact's hf_checkpoint record names no tensor for {param.fqn}; "
+    def holds(self, fqn: str) -> bool:
+        """Whether the record names checkpoint tensors for `fqn`."""
+        return fqn in self.names or fqn in self.stacked
+
+    def check_shape(self, param: ParamSpec) -> list[str]:
+        """The HF names of `param`'s tensors (one, or one per row of a stacked parameter), after
+        checking that they hold the parameter's global shape."""
+        fqn, shape = param.fqn, list(param.global_shape)
+        if not self.holds(fqn):
+            raise ValueError(f"--init-from-hf: the artifact's hf_checkpoint record names no tensor for {fqn}; "
                              "rebuild the artifact with titan-build")
-        shape = list(self._slice(name).get_shape())
-        if shape != list(param.global_shape):
-            raise ValueError(f"--init-from-hf {self.root}: {name} has shape {shape} but the artifact's "
-                             f"{param.fqn} is {list(param.global_shape)}; use the checkpoint of the model the "
-                             "artifact was built for")
-        return name
+        if fqn in self.stacked:
+            names, each = self.record.hf_names(fqn, shape[0]), shape[1:]
+        else:
+            names, each = [self.names[fqn]], shape
+        for name in names:
+            found = list(self._slice(name).get_shape())
+            if found != each:
+                raise ValueError(f"--init-from-hf {self.root}: {name} has shape {found} but the artifact's {fqn} "
+                                 f"{'rows are' if fqn in self.stacked else 'is'} {each}; use the checkpoint of the "
+                                 "model the artifact was built for")
+        return names
 
     def read_shard(self, param: ParamSpec, *, device: torch.device) -> torch.Tensor:
         """This rank's shard of `param` (artifact rank metadata), read as a box of the HF tensor."""
-        name = self.check_shape(param)
+        names = self.check_shape(param)
         hd = self.rope_permuted.get(param.fqn)
         if hd is not None and param.global_shape[0] % hd:
             raise ValueError(f"--init-from-hf: the artifact permutes rows of {param.fqn} in heads of {hd}, which "
                              f"do not divide its {param.global_shape[0]} rows; rebuild the artifact with titan-build")
         box = shard_box(param.slices, param.global_shape)
         dtype = getattr(torch, param.dtype)
-        return pad_shard(self._read_box(name, param.fqn, box).to(device=device, dtype=dtype), box)
+        return pad_shard(self._read_box(names, param.fqn, box).to(device=device, dtype=dtype), box)
 
-    def _read_box(self, name: str, fqn: str, box: ShardBox) -> torch.Tensor:
+    def _read_box(self, names: list[str], fqn: str, box: ShardBox) -> torch.Tensor:
         index = box.global_index()
         if box.empty:
             return torch.empty(box.sizes)
+        if fqn in self.stacked:  # one tensor per row: read only the rows in the box
+            return torch.stack([self._slice(names[row])[index[1:]] for row in range(index[0].start, index[0].stop)])
         hd = self.rope_permuted.get(fqn)
         if hd is None:
-            return self._slice(name)[index]
+            return self._slice(names[0])[index]
         # Rows of a head are permuted: read the whole heads that the box's rows touch, then pick.
         first, stop = box.offsets[0], box.offsets[0] + box.sizes[0]
         head0, head1 = first // hd, -(-stop // hd)
-        block = self._slice(name)[(slice(head0 * hd, head1 * hd), *index[1:])]
+        block = self._slice(names[0])[(slice(head0 * hd, head1 * hd), *index[1:])]
         rows = torch.arange(first, stop)
         picked = (rows // hd - head0) * hd + titan_rows_from_hf(hd)[rows % hd]
         return block[picked]
@@ -203,7 +218,11 @@ def hf_config_for(description: dict, *, dtype: str) -> dict:
     from one (--init-from-hf), with the model's values (its hf_checkpoint record) and dtype set."""
     record = hf_record(description, "titan-export")
     cfg = dict(description.get("hf_config") or {})
-    cfg.update(record.config)
+    rope = {k[len(ROPE_PREFIX):]: v for k, v in record.config.items() if k.startswith(ROPE_PREFIX)}
+    cfg.update({k: v for k, v in record.config.items() if not k.startswith(ROPE_PREFIX)})
+    if rope:
+        cfg.pop("rope_scaling", None)
+        cfg["rope_parameters"] = dict(cfg.get("rope_parameters") or {}, **rope)
     cfg.update({
         "architectures": list(record.architectures), "model_type": record.model_type,
         # titan trains the output projection separately from the embedding.
@@ -222,8 +241,10 @@ def export_hf(out: Path, description: dict, tensors: dict[str, torch.Tensor], *,
 
     record = hf_record(description, "titan-export")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = {record.names[fqn]: to_hf_layout(t, record.rope_permuted.get(fqn)).to(torch_dtype).contiguous()
-          for fqn, t in tensors.items()}
+    hf = {}
+    for fqn, t in tensors.items():
+        for name, part in zip(record.hf_names(fqn, t.shape[0]), t.unbind(0) if fqn in record.stacked else [t]):
+            hf[name] = to_hf_layout(part, record.rope_permuted.get(fqn)).to(torch_dtype).contiguous()
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

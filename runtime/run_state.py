@@ -18,13 +18,20 @@ from titan.runtime import checkpoint
 from titan.runtime.contract.hf_record import RECORD
 from titan.runtime.data import check_token_file
 from titan.runtime.hf_weights import HFCheckpoint
+from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.init import materialize
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
-    from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
+    from titan.runtime.contract.rank_record import BufferSpec
     from titan.runtime.optim import AdamW
     from titan.runtime.train import RunConfig
+
+
+def _whole(buffer: BufferSpec) -> ParamSpec:
+    """A buffer (every rank holds all of it) as a parameter record, to read it from a checkpoint."""
+    return ParamSpec(fqn=buffer.fqn, global_shape=buffer.shape, local_shape=buffer.shape, placements={}, slices=(),
+                     init={}, dtype=buffer.dtype)
 
 
 class RunOptionError(ValueError):
@@ -99,7 +106,7 @@ class RunState:
         if cfg.init_from_hf is not None:
             record = manifest.hf_record(f"--init-from-hf {cfg.init_from_hf}")
             self.hf = HFCheckpoint(cfg.init_from_hf, record=record)
-            for p in params:
+            for p in [*params, *(_whole(b) for b in buffers if self.hf.holds(b.fqn))]:
                 self.hf.check_shape(p)
 
     def _settings(self) -> dict:
@@ -136,6 +143,13 @@ class RunState:
         if self.hf is not None:
             return self.hf.read_shard(param, device=self.device)
         return materialize(param, seed=self.cfg.seed, device=self.device)
+
+    def load_buffer(self, buffer: BufferSpec) -> torch.Tensor | None:
+        """A model buffer's initial value when the Hugging Face checkpoint holds it (a MoE
+        balancing bias), else None (zeros; a resumed run restores its buffers)."""
+        if self.resume_from is None and self.hf is not None and self.hf.holds(buffer.fqn):
+            return self.hf.read_shard(_whole(buffer), device=self.device)
+        return None
 
     def close(self) -> None:
         if self.hf is not None:

@@ -24,7 +24,7 @@ from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
 from titan.runtime.step_log import StepLog
-from titan.runtime.contract.rank_record import ParamSpec, check_graphs
+from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, check_graphs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,7 +101,8 @@ class GraphProgram:
     coordinates), this rank's parameter shards and the model's buffers (runtime/buffer_state.py)."""
 
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
-                 load_param: Callable[[ParamSpec], torch.Tensor] | None = None):
+                 load_param: Callable[[ParamSpec], torch.Tensor] | None = None,
+                 load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None):
         record = artifact.rank_record(rank)
         entry = artifact.rank_entry(rank)
         regions = region_kinds(artifact.manifest.passes)  # fusion regions only if the build made them
@@ -117,7 +118,7 @@ class GraphProgram:
         self.inputs = record.forward_inputs
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
         self.params = [load_param(p) for p in record.params]
-        self.buffers = BufferState(record, device=device)
+        self.buffers = BufferState(record, device=device, load=load_buffer)
         self.coords = record.coords
 
     @torch.no_grad()
@@ -237,7 +238,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
                              f"lacks{timings.expectation('fusion', key) or ' (the first run on a device compiles all)'}")
     t_load = time.perf_counter()
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
-                           load_param=run_state.load_param)
+                           load_param=run_state.load_param,
+                           load_buffer=run_state.load_buffer)
     if compiles and env.rank == 0:
         timings.record("fusion", key, time.perf_counter() - t_load)
     if program.fusion is not None:

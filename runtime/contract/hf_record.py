@@ -5,10 +5,17 @@ artifact is untrusted input). No torch import: the builder writes it on its cach
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RECORD = "hf_checkpoint"
 """The manifest (and checkpoint description) field that holds the record."""
+STACK_INDEX = "{i}"
+"""Where a stacked parameter's row index goes in its tensor name pattern."""
+ROPE_PREFIX = "rope_parameters."
+"""`config` keys with this prefix are entries of config.json's rope_parameters (rope_scaling,
+as transformers < 5 writes it), e.g. 'rope_parameters.factor' for YaRN."""
+ROPE_TYPE = ROPE_PREFIX + "rope_type"
+"""The RoPE variant ('default' when a config has none; transformers < 5 spells it 'type')."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -21,16 +28,29 @@ class HFRecord:
     """config.json values that must match the artifact's model (Hugging Face's defaults fill
     what a checkpoint leaves out); titan-export writes them."""
     names: dict[str, str]
-    """titan parameter -> Hugging Face tensor name."""
+    """titan parameter (or state buffer a checkpoint holds, e.g. a MoE balancing bias) ->
+    Hugging Face tensor name."""
     tied_names: dict[str, str]
     """Replacements of `names` for a checkpoint with tie_word_embeddings."""
     rope_permuted: dict[str, int]
     """Parameter -> head size, for rows stored in rotate-half order within each head (titan's
     RoPE pairs are interleaved)."""
+    stacked: dict[str, str] = field(default_factory=dict)
+    """Parameter -> the pattern of the tensors stacked on its dim 0, with one STACK_INDEX where
+    the index goes: row i of the parameter is that tensor with i in place of the mark (the
+    routed experts of a mixture of experts, one tensor per expert in the checkpoint). Such a
+    parameter has no entry in `names`."""
+
+    def hf_names(self, fqn: str, rows: int) -> list[str]:
+        """The checkpoint tensors that hold parameter `fqn` (of `rows` rows on dim 0)."""
+        if fqn in self.stacked:
+            return [self.stacked[fqn].replace(STACK_INDEX, str(i)) for i in range(rows)]
+        return [self.names[fqn]]
 
     def to_json(self) -> dict:
         return {"model_type": self.model_type, "architectures": list(self.architectures), "config": self.config,
-                "names": self.names, "tied_names": self.tied_names, "rope_permuted": self.rope_permuted}
+                "names": self.names, "tied_names": self.tied_names, "rope_permuted": self.rope_permuted,
+                "stacked": self.stacked}
 
     @staticmethod
     def from_json(d, where: str) -> HFRecord:
@@ -44,11 +64,15 @@ class HFRecord:
               and all(isinstance(v, (str, int, float, bool)) for v in d["config"].values())
               and isinstance(d.get("rope_permuted"), dict)
               and all(isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= 1 << 16 and v % 2 == 0
-                      for v in d["rope_permuted"].values()))
+                      for v in d["rope_permuted"].values())
+              and str_map(d.get("stacked", {}))
+              and all(p.count(STACK_INDEX) == 1 for p in d.get("stacked", {}).values())
+              and not set(d.get("stacked", {})) & (set(d["names"]) | set(d["rope_permuted"])))
         if not ok:
             raise ValueError(f"{where}: malformed {RECORD} record; rebuild the artifact with titan-build")
         return HFRecord(model_type=d["model_type"], architectures=tuple(d["architectures"]), config=d["config"],
-                        names=d["names"], tied_names=d["tied_names"], rope_permuted=d["rope_permuted"])
+                        names=d["names"], tied_names=d["tied_names"], rope_permuted=d["rope_permuted"],
+                        stacked=d.get("stacked", {}))
 
 
 def required(record: HFRecord | None, where: str) -> HFRecord:

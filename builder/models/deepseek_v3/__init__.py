@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from titan.builder.layout import require_divides
 from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config
+from titan.builder.models.deepseek_v3.hf_names import hf_checkpoint
 from titan.builder.models.deepseek_v3.init import init_specs
 from titan.builder.models.spec import ModelSpec, lazy
 from titan.runtime.contract.layout import Layout
@@ -64,4 +65,5 @@ SPEC = ModelSpec(
     place_rank=lazy("titan.builder.models.deepseek_v3.expert_parallel:place_rank"),
     buffer_metric=buffer_metric,
     leading_layers=lambda cfg: cfg.n_dense_layers,
+    hf_checkpoint=hf_checkpoint,
 )

@@ -89,35 +89,36 @@ class DeepSeekV3Config:
 # layer. `16B` is DeepSeek-V2-Lite's shapes with V3's sigmoid routing, as torchtitan's 16B
 # flavor. `debug` is CPU-sized: 8 experts in 4 groups, 3 chosen from the best 2 groups, so the
 # group-limited routing runs and a token can go to experts on several expert-parallel ranks.
-# One row per field, one column per flavor.
+# `16B-4L` is 16B cut to its first 4 layers (1 dense, 3 MoE): the published widths on one GPU
+# (benchmarks/gpu_deepseek.sh). One row per field, one column per flavor.
 _PUBLISHED = """
-                          debug      16B     671B
-dim                          64     2048     7168
-n_layers                      3       27       61
-n_dense_layers                1        1        3
-n_heads                       4       16      128
-vocab_size                  512   102400   129280
-dense_hidden                128    10944    18432
-moe_hidden                   32     1408     2048
-n_routed_experts              8       64      256
-n_shared_experts              1        2        1
-top_k                         3        6        8
-n_expert_groups               4        1        8
-n_limited_groups              2        1        4
-route_scale                 1.0      1.0      2.5
-q_lora_rank                  32        0     1536
-kv_lora_rank                 32      512      512
-qk_nope_head_dim             16      128      128
-qk_rope_head_dim              8       64       64
-v_head_dim                   16      128      128
-norm_eps                   1e-6     1e-6     1e-6
-rope_theta                  1e4      1e4      1e4
-rope_factor                 1.0      1.0     40.0
-rope_original_seq_len      4096     4096     4096
-rope_beta_fast               32       32       32
-rope_beta_slow                1        1        1
-rope_mscale                 1.0      1.0      1.0
-bias_update_rate           1e-3     1e-3     1e-3
+                          debug      16B     671B   16B-4L
+dim                          64     2048     7168     2048
+n_layers                      3       27       61        4
+n_dense_layers                1        1        3        1
+n_heads                       4       16      128       16
+vocab_size                  512   102400   129280   102400
+dense_hidden                128    10944    18432    10944
+moe_hidden                   32     1408     2048     1408
+n_routed_experts              8       64      256       64
+n_shared_experts              1        2        1        2
+top_k                         3        6        8        6
+n_expert_groups               4        1        8        1
+n_limited_groups              2        1        4        1
+route_scale                 1.0      1.0      2.5      1.0
+q_lora_rank                  32        0     1536        0
+kv_lora_rank                 32      512      512      512
+qk_nope_head_dim             16      128      128      128
+qk_rope_head_dim              8       64       64       64
+v_head_dim                   16      128      128      128
+norm_eps                   1e-6     1e-6     1e-6     1e-6
+rope_theta                  1e4      1e4      1e4      1e4
+rope_factor                 1.0      1.0     40.0      1.0
+rope_original_seq_len      4096     4096     4096     4096
+rope_beta_fast               32       32       32       32
+rope_beta_slow                1        1        1        1
+rope_mscale                 1.0      1.0      1.0      1.0
+bias_update_rate           1e-3     1e-3     1e-3     1e-3
 """
 
 
