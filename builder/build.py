@@ -93,7 +93,8 @@ class BuildSpec:
         return "-".join([f"{self.model}{flavor}-{self.layout.tag()}",
                          *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
                                               batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
-                                              ac=self.ac, passes=self.passes)])
+                                              ac=self.ac, passes=self.passes,
+                                              exact_fusion=self.model_spec.exact_fusion)])
 
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -106,7 +107,7 @@ def _default_dtype(flavor: str) -> str:
 
 
 def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: int, dtype: str, ac: str,
-                        passes: list[str] | tuple[str, ...]) -> list[str]:
+                        passes: list[str] | tuple[str, ...], exact_fusion: bool = True) -> list[str]:
     """Short tags for each graph-shaping choice that differs from its default, in a fixed order:
     b4, s256, bf16, ac-full, default-partition, fuse-blocks, passes-<digest of the list>. Names
     artifacts and tells builds apart in `titan-cache ls`. `passes` as in BuildSpec.passes."""
@@ -123,7 +124,7 @@ def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: in
     partitioner, *graph_passes = passes
     if partitioner != "partition:min_cut":
         tags.append(f"{partitioner.split(':')[-1]}-partition")
-    defaults = default_passes({name: size for name, size in mesh})
+    defaults = default_passes({name: size for name, size in mesh}, exact_fusion=exact_fusion)
     fuse = next((p for p in graph_passes if p in ("fuse_regions", "fuse_blocks")), None)
     if fuse is not None:
         tags.append(fuse.replace("_", "-"))
@@ -162,7 +163,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     if ac not in AC_POLICIES:
         raise ValueError(f"unknown --ac {ac!r}; use one of {', '.join(AC_POLICIES)}")
     sizes = dict(layout.mesh_shape())
-    passes = default_passes(sizes) if passes is None else tuple(passes)
+    passes = default_passes(sizes, exact_fusion=family.exact_fusion) if passes is None else tuple(passes)
     if fuse is not None:
         if fuse not in ("regions", "blocks"):
             raise ValueError(f"--fuse {fuse!r}: use regions or blocks")

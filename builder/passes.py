@@ -91,12 +91,13 @@ PASSES: dict[str, GraphPass] = {
 }
 
 
-def default_passes(mesh_sizes: dict[str, int]) -> tuple[str, ...]:
-    """The numerics-preserving set that applies to a layout, in order."""
+def default_passes(mesh_sizes: dict[str, int], *, exact_fusion: bool = True) -> tuple[str, ...]:
+    """The numerics-preserving set that applies to a layout, in order (fuse_exact only for a
+    family whose regions were measured bitwise on a GPU: ModelSpec.exact_fusion)."""
     fsdp = mesh_sizes.get("dp_shard", 1) > 1
     return ("mask_index_put_to_where",
             *(("bucket_all_gather", "bucket_reduce_scatter") if fsdp else ()),
-            "overlap_collectives", "fuse_exact")
+            "overlap_collectives", *(("fuse_exact",) if exact_fusion else ()))
 
 
 FUSION_PASSES = ("fuse_exact", "fuse_regions", "fuse_blocks")

@@ -64,9 +64,6 @@ def exact_op(n: fx.Node) -> bool:
         return False  # eager may contract a + alpha * b into one FMA
     if n.target is aten.pow.Tensor_Scalar and n.args[1] not in _EXACT_POWERS:
         return False
-    if n.target is aten.div.Tensor and isinstance(n.args[1], fx.Node):
-        return False  # measured on H100: a fused tensor / tensor division (a mixture of experts'
-        # routing weights over their sum, forward and backward) did not keep eager's bits
     if n.target is aten._to_copy.default and not _plain_cast(n):
         return False  # a device, layout or memory-format change is not a fusable cast
     return True

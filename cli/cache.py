@@ -88,6 +88,10 @@ def ls_cmd(ctx):
         click.echo(f"{cache.root}: " + (f"no builds; {kernels}" if kernels else "empty"))
         return
     from titan.builder.build import non_default_choices
+    from titan.builder.models import MODELS
+
+    def exact_fusion(model: str) -> bool:
+        return MODELS[model].exact_fusion if model in MODELS else True
     click.echo(f"{'key':<14}{'model':<14}{'layout':<20}{'batch':>9}  {'choices':<24}{'torch':<8}{'ranks':>6}"
                f"{'blobs':>6}{'size':>11}  last used")
     for i in infos:
@@ -96,7 +100,7 @@ def ls_cmd(ctx):
         # Whatever else shapes the graphs (dtype, AC, passes) and differs from the defaults.
         choices = non_default_choices(flavor=f["flavor"], mesh=f["mesh"], batch_size=f["batch size"],
                                       seq_len=f["seq len"], dtype=f["dtype"], ac=f["activation checkpointing"],
-                                      passes=f["passes"])
+                                      passes=f["passes"], exact_fusion=exact_fusion(f["model"]))
         choices = [c for c in choices if c[0] not in "bs" or not c[1:].isdigit()]  # the batch column has those
         click.echo(f"{i.key[:12]:<14}{f['model'] + ' ' + f['flavor']:<14}{mesh:<20}"
                    f"{str(f['batch size']) + 'x' + str(f['seq len']):>9}  {' '.join(choices) or 'defaults':<24}"

@@ -123,6 +123,9 @@ class ModelSpec:
     buffer_metric: Callable[[str], str | None] = lambda fqn: None
     """Buffer name -> the per-step metric titan-run reads from it after each step
     ('tokens_per_expert' or 'dropped_tokens', runtime/buffer_state.py), or None."""
+    exact_fusion: bool = True
+    """Whether fuse_exact is a default pass: its regions measured bitwise against eager on a GPU
+    for this family's graphs (False: the family's GPU runs stay on eager's kernels by default)."""
     leading_layers: Callable[[ModelConfig], int] = lambda cfg: 0
     """How many first blocks differ from the repeated block that follows them (e.g. dense
     feed-forward blocks before the experts): a deep model's shallow traces keep all of them and
