@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
+
 from titan.runtime.contract.layout import Layout
 
+_EIGHT_RANKS = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
 
-def test_ranks_are_row_major_over_the_mesh_with_tp_innermost():
-    layout = Layout(dp_replicate=2, dp_shard=2, tp=2)
+
+@pytest.mark.parametrize("layout, dims, tag", [
+    (Layout(dp_replicate=2, dp_shard=2, tp=2), ("dp_replicate", "dp_shard", "tp"), "dp-replicate2-dp-shard2-tp2"),
+    # ep sits inside dp_shard and outside tp: a data-parallel dimension, reading its own slices.
+    (Layout(dp_shard=2, ep=2, tp=2), ("dp_shard", "ep", "tp"), "dp-shard2-ep2-tp2"),
+])
+def test_ranks_are_row_major_over_the_mesh_with_tp_innermost(layout, dims, tag):
     coords = [layout.coordinates(r) for r in range(layout.world_size)]
-    assert [(c["dp_replicate"], c["dp_shard"], c["tp"]) for c in coords] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert [tuple(c[d] for d in dims) for c in coords] == _EIGHT_RANKS
     # Ranks that differ only in tp read the same data; each data-parallel coordinate its own slice.
     assert [layout.dp_rank(c) for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert layout.dp_degree == 4
+    assert layout.dp_degree == 4 and layout.tag() == tag
 
 
 def test_the_mesh_and_the_name_list_only_dimensions_of_size_above_one():
@@ -22,11 +29,3 @@ def test_the_mesh_and_the_name_list_only_dimensions_of_size_above_one():
     assert Layout.from_dict(layout.as_dict()) == layout
 
 
-def test_expert_parallel_ranks_are_data_parallel_between_dp_shard_and_tp():
-    """ep sits inside dp_shard and outside tp; its ranks read their own slices of the batch."""
-    layout = Layout(dp_shard=2, ep=2, tp=2)
-    coords = [layout.coordinates(r) for r in range(layout.world_size)]
-    assert [(c["dp_shard"], c["ep"], c["tp"]) for c in coords] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
-    assert [layout.dp_rank(c) for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert layout.dp_degree == 4 and layout.tag() == "dp-shard2-ep2-tp2"
