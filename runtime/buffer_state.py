@@ -52,11 +52,17 @@ class BufferState:
         dropped = [self.tensors[b.fqn] for b in self.specs if b.metric == "dropped_tokens"]
         if not loads and not dropped:
             return {}
+        # Reduced on the device and read in one transfer (one wait on the stream per step).
+        values = []
+        if loads:
+            stacked = torch.stack(loads).double()
+            values += [stacked.max(), stacked.mean()]
+        if dropped:
+            values.append(torch.stack(dropped).double().sum())
+        read = torch.stack(values).tolist()
         out = {}
         if loads:
-            stacked = torch.stack(loads).double().cpu()
-            out["expert_load_max"] = float(stacked.max())
-            out["expert_load_mean"] = float(stacked.mean())
+            out["expert_load_max"], out["expert_load_mean"] = read[0], read[1]
         if dropped:
-            out["dropped_tokens"] = int(torch.stack(dropped).sum().cpu())
+            out["dropped_tokens"] = int(read[-1])
         return out
