@@ -7,6 +7,7 @@
 # then the GPU tests of the trust model / kernels. Prints the fusion lines; results in $OUT.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
 export TITAN_CACHE_DIR=$OUT/cache TITAN_KEY_FILE=$OUT/cache.key
+install_titan
 rm -rf "$OUT/cache" artifacts/kern-1b artifacts/kern-copy
 titan-build --flavor 1B --dtype bf16 --seq-len 2048 --out artifacts/kern-1b > "$OUT/build.txt" 2>&1; echo "build: exit $? at $(elapsed) s"
 for job in first second; do

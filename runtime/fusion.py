@@ -18,6 +18,10 @@ CUDA code names the device it was compiled for, so kernels are compiled, stored 
 cuda:0: titan-run starts each local rank seeing only its own GPU (as torchrun's
 --virtual-local-rank does); a rank on another index compiles its regions for itself and shares
 nothing. Ranks of a host compile a key under its lock: one compiles, the others load.
+
+On GPUs a compiled region is stored as a kernel plan where it can be (runtime/kernel_plan.py):
+its cubins and launches as data, run through torch's static CUDA launcher. A run whose regions
+all come as plans never imports inductor, which is most of a warm start's time otherwise.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import operator
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -129,6 +134,8 @@ class FusionStats:
     from_artifact: int = 0
     reused: int = 0
     unstored: int = 0
+    planned: int = 0
+    """Regions compiled or loaded as kernel plans (launched without inductor)."""
     seconds: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)
 
@@ -136,7 +143,9 @@ class FusionStats:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
         return (f"fusion: {self.regions} regions ({kinds}): {self.compiled} compiled, {self.loaded} loaded from the "
                 f"kernel store, {self.from_artifact} from the artifact, {self.reused} shared, in {self.seconds:.1f} s"
-                + (f" ({self.unstored} not stored)" if self.unstored else ""))
+                + (f" ({self.unstored} not stored)" if self.unstored else "")
+                + (f"; {self.planned} as kernel plans" if self.planned else "")
+                + ("" if "torch._inductor" in sys.modules else "; inductor not loaded"))
 
 
 def device_tag(device: torch.device) -> str:
@@ -265,17 +274,41 @@ def _region_call(compiled, name: str):
     return call
 
 
-def _compile(sub: fx.GraphModule, layouts: list[dict], settings: dict, device: torch.device):
+def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device):
+    """(the compiled region, its kernel plan's bytes or None: runtime/kernel_plan.py)."""
     from torch._inductor import standalone_compile
 
     import torch._inductor.config as inductor_config
 
+    from titan.runtime.kernel_plan import encode_plan
+    from titan.runtime.plan_recorder import record_plan, recording
+
+    settings = exact_config() if kind == EXACT else {}
+    # Plans are recorded from the static launcher's calls: use it wherever inductor can.
+    settings |= {name: True for name in ("use_static_cuda_launcher", "use_static_triton_launcher")
+                 if hasattr(inductor_config, name)}
     examples = [_example(v, device) for v in layouts]
-    with inductor_config.patch(settings):
-        return standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
+    with recording() as recorder, inductor_config.patch(settings):
+        compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
+        plan = record_plan(compiled, layouts, device, recorder) if recorder is not None and device.type == "cuda" else None
+    return compiled, (encode_plan(plan) if plan is not None else None)
 
 
-def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], settings: dict, device: torch.device,
+def _load(data: bytes, device: torch.device, stats: FusionStats):
+    """A compiled region from verified bytes: a kernel plan (no inductor), else inductor's artifact."""
+    from titan.runtime.kernel_plan import PlannedRegion, decode_plan, is_plan
+
+    if is_plan(data):
+        stats.planned += 1
+        try:
+            return PlannedRegion(decode_plan(data), device)
+        except ValueError as e:
+            raise ValueError(f"a stored kernel plan is malformed ({e}); remove the kernel store (titan-cache) or "
+                             "rebuild the artifact's kernels with titan-build --kernels") from None
+    return deserialize_kernel(data)
+
+
+def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device,
             sources: KernelSources, stats: FusionStats):
     """The region's compiled kernels: from the artifact, the store, or compiled (once per host:
     under the key's lock, the first rank compiles and the others then load)."""
@@ -283,11 +316,11 @@ def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], settings: dict, 
     if data is not None:
         stats.from_artifact += 1
         sources.recorded[key] = hashlib.sha256(data).hexdigest()
-        return deserialize_kernel(data)
+        return _load(data, device, stats)
     if not sources.shareable:
         stats.compiled += 1
         stats.unstored += 1
-        return _compile(sub, layouts, settings, device)
+        return _compile(sub, layouts, kind, device)[0]
     store = sources.store
     found = store.load(key)
     if found is None:
@@ -295,9 +328,12 @@ def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], settings: dict, 
             lock.acquire(blocking=True)
             found = store.load(key)  # compiled by another rank while this one waited
             if found is None:
-                compiled = _compile(sub, layouts, settings, device)
+                compiled, data = _compile(sub, layouts, kind, device)
                 stats.compiled += 1
-                data = serialize_kernel(compiled)
+                if data is not None:
+                    stats.planned += 1
+                else:
+                    data = serialize_kernel(compiled)
                 if data is None:
                     stats.unstored += 1  # compiled again by each run
                 else:
@@ -306,7 +342,7 @@ def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], settings: dict, 
     data, sha = found
     stats.loaded += 1
     sources.recorded[key] = sha
-    return deserialize_kernel(data)
+    return _load(data, device, stats)
 
 
 def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: KernelSources,
@@ -314,12 +350,14 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
     """Replace every region of `gm` with a call of its compiled kernels."""
     t0 = time.perf_counter()
     context = {"device": device_tag(device), **_versions()}
-    exact = exact_config()
     for run in _runs(gm):
         kind = _kind(run[0].meta["titan_region"])
         if not compiled_here(kind, device):
             continue
-        settings = exact if kind == EXACT else {}
+        # The settings asked for, not the subset this inductor has: reading that would import
+        # inductor, which a run whose kernels are all plans never does (the torch version in
+        # the key fixes the subset).
+        settings = _EXACT_SETTINGS if kind == EXACT else {}
         inputs, outputs = _boundary(run)
         # Identical regions are recognized by signature, before any graph is built for them.
         signature = (kind, _signature(run, inputs, outputs))
@@ -329,7 +367,7 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
         else:
             sub = _extract(run, inputs, outputs)
             layouts = [_input_layout(a) for a in inputs]
-            compiled = _kernel(kernel_key(sub, layouts, settings, context), sub, layouts, settings, device,
+            compiled = _kernel(kernel_key(sub, layouts, settings, context), sub, layouts, kind, device,
                                sources, stats)
             memo[signature] = compiled
         stats.regions += 1

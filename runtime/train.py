@@ -234,7 +234,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     run_key = f"{m.cache_key}-{cfg.device}"  # as cli/run.py's run_start_key names it
     compiles = any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in m.passes)
     if compiles:
-        _say(env, cfg, None, "loading this artifact's kernels from the kernel store, compiling the ones it "
+        where = "the artifact, then the kernel store" if m.kernels else "the kernel store"
+        _say(env, cfg, None, f"loading this artifact's kernels from {where}, compiling the ones it "
                              f"lacks{timings.expectation('fusion', key) or ' (the first run on a device compiles all)'}")
     t_load = time.perf_counter()
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,

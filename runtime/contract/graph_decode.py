@@ -109,25 +109,37 @@ def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -
         if isinstance(outputs, list) and not 0 <= args[1] < len(outputs):
             raise GraphFormatError(f"node {i}: getitem index {args[1]} is outside the {len(outputs)} results")
         return
-    schema = target._schema
-    params = schema.arguments
-    positional = [a for a in params if not a.kwarg_only]
+    positional, params = _signature(target)
     if len(args) > len(positional):
         raise GraphFormatError(f"node {i}: {name} takes {len(positional)} positional arguments, got {len(args)}")
-    by_name = {a.name: a for a in params}
-    bound = dict(zip((a.name for a in positional), args))
+    bound = dict(zip(positional, args))
     for k, v in kwargs.items():
-        if k not in by_name or k in bound:
+        if k not in params or k in bound:
             raise GraphFormatError(f"node {i}: {name} has no argument {k!r} (or it is given twice)")
         bound[k] = v
-    for a in params:
-        if a.name not in bound:
-            if not a.has_default_value():
-                raise GraphFormatError(f"node {i}: {name} is missing argument {a.name!r}")
+    for arg, (kind, has_default) in params.items():
+        if arg not in bound:
+            if not has_default:
+                raise GraphFormatError(f"node {i}: {name} is missing argument {arg!r}")
             continue
-        where = f"node {i} ({name}) argument {a.name}"
-        _check_kind(bound[a.name], str(a.real_type), where)
-        _check_bound(a.name, bound[a.name], where)
+        where = f"node {i} ({name}) argument {arg}"
+        _check_kind(bound[arg], kind, where)
+        _check_bound(arg, bound[arg], where)
+
+
+_SIGNATURES: dict = {}
+
+
+def _signature(target) -> tuple[tuple[str, ...], dict[str, tuple[str, bool]]]:
+    """(positional argument names, name -> (type string, has a default)) of an op's schema, read
+    once per op: reading a schema through torch's bindings costs more than checking a call."""
+    found = _SIGNATURES.get(target)
+    if found is None:
+        params = target._schema.arguments
+        found = (tuple(a.name for a in params if not a.kwarg_only),
+                 {a.name: (str(a.real_type), a.has_default_value()) for a in params})
+        _SIGNATURES[target] = found
+    return found
 
 
 # Arguments bounded by what they mean, beyond their type: dimensions index a tensor of at most
