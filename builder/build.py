@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -193,16 +194,27 @@ class BuildOutcome:
     not, or on a hit)."""
 
 
-def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int, str], None], *,
-           depths: Callable[[int], tuple[int | None, ...]] = lambda rank: (None,)):
-    """Yield RankResults as ranks finish, each rank traced (at each of its `depths`) in a fresh
-    process (see trace.py); the processes report their stages (rank_progress.py), passed on to
-    `on_stage` meanwhile."""
-    from titan.builder.trace import RankJob, trace_rank
+def trace_context():
+    """Trace processes are forked from one server that has imported torch and the tracer once
+    (builder/trace_preload.py): a fresh process for every task (trace.py says why) that does
+    not import torch again. The server lives as long as this process, so later builds in it
+    start their traces at once."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["titan.builder.trace_preload"])
+    return ctx
 
-    if not ranks:
+
+def _trace(spec: BuildSpec, tasks: list[tuple[int, tuple[int | None, ...]]], jobs: int,
+           on_stage: Callable[[int, str], None]):
+    """Yield RankResults as tasks finish; a task (rank, depths) traces one rank at those depths
+    in a fresh process (see trace.py). Tasks start in the order given, each on the first free
+    worker. The processes report their stages (rank_progress.py), passed on to `on_stage`
+    meanwhile."""
+    from titan.builder.rank_job import RankJob, start_trace_process, trace_job
+
+    if not tasks:
         return
-    ctx = mp.get_context("spawn")
+    ctx = trace_context()
     # After a Ctrl-C ends this process (os._exit skips the finalizers of the pool's semaphores),
     # multiprocessing's resource tracker unlinks them, as it should, and warns about each: its
     # interpreter takes this process's -W options, so that expected cleanup stays silent.
@@ -213,10 +225,11 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
     # The queue starts multiprocessing's resource tracker, whose start unblocks SIGINT in the
     # calling thread when it is done: so it comes before the block below, not inside it.
     stages = ctx.Queue()
-    with interrupt.children_ignore_ctrl_c():  # the pool's threads and every worker they start inherit it
-        pool = cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(ranks))), mp_context=ctx,
-                                      max_tasks_per_child=1, initializer=rank_progress.attach, initargs=(stages,))
-        pending = {pool.submit(trace_rank, RankJob(build=spec, rank=r, depths=depths(r))) for r in ranks}
+    with interrupt.children_ignore_ctrl_c():  # the pool's threads, the fork server and every worker inherit it
+        pool = cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(tasks))), mp_context=ctx,
+                                      max_tasks_per_child=1, initializer=start_trace_process,
+                                      initargs=(stages, os.getpid()))
+        pending = {pool.submit(trace_job, RankJob(build=spec, rank=r, depths=d)) for r, d in tasks}
     with pool:
         while pending:
             finished, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
@@ -230,14 +243,28 @@ def _trace(spec: BuildSpec, ranks: list[int], jobs: int, on_stage: Callable[[int
     forget()
 
 
+def trace_tasks(todo: dict[int, tuple[int | None, ...]], jobs: int) -> list[tuple[int, tuple[int | None, ...]]]:
+    """The (rank, depths) tasks for the ranks and depths to trace, longest first. With fewer
+    workers than ranks, each depth is its own task, so that the workers finish together (a task
+    costs about its depth in layers); otherwise a rank's depths share one process, which traces
+    the later ones faster."""
+    if len(todo) <= jobs:
+        tasks = [(r, depths) for r, depths in todo.items()]
+        return sorted(tasks, key=lambda t: -sum(d or 0 for d in t[1]))
+    tasks = [(r, (d,)) for r, depths in todo.items() for d in depths]
+    return sorted(tasks, key=lambda t: -(t[1][0] or 0))
+
+
 def _stop_workers() -> None:
-    """Stop every child but multiprocessing's resource tracker (it outlives this process to
-    unlink the pool's semaphores), until two looks find none: the pool's thread may be starting
-    one right now, and a worker is a child before multiprocessing lists it (it would then find
-    its start data missing and print a traceback)."""
+    """Stop every descendant but multiprocessing's resource tracker (it outlives this process to
+    unlink the pool's semaphores): the fork server and the trace processes it forked, until two
+    looks find none (the pool's thread may be starting one right now, and a worker is a child
+    before multiprocessing lists it: it would then find its start data missing and print a
+    traceback)."""
     quiet = 0
     for _ in range(40):
-        workers = [pid for pid in interrupt.child_pids() if b"resource_tracker" not in interrupt.command_line(pid)]
+        workers = [pid for pid in interrupt.descendant_pids()
+                   if b"resource_tracker" not in interrupt.command_line(pid)]
         if workers:
             interrupt.stop_processes(workers)
             quiet = 0
@@ -309,14 +336,16 @@ class _Tracer:
                 else:
                     self.traces[r, d] = _cached_trace(self.cache, record)
             self.stage(r, "queued" if r in todo else "cache hit")
-        for res in _trace(self.spec, list(todo), self.jobs, self.stage, depths=todo.__getitem__):
+        left = {r: len(depths) for r, depths in todo.items()}
+        for res in _trace(self.spec, trace_tasks(todo, self.jobs), self.jobs, self.stage):
             self.stage(res.rank, "writing")
             with interrupt.deferred():  # a rank's record goes in whole or not at all
                 _store_rank(self.cache, self.keys[res.rank, res.depth], self._factors(res.rank, res.depth), res)
             self.traces[res.rank, res.depth] = Trace(rank=res.rank, forward=res.forward, backward=res.backward,
                                                      meta=res.meta)
             self.traced.append((res.rank, res.depth))
-            if res.depth == todo[res.rank][-1]:
+            left[res.rank] -= 1
+            if not left[res.rank]:
                 self.stage(res.rank, "done")
             self.progress(res)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -20,39 +20,17 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titan.builder.build import BuildSpec
 from titan.builder.checkpointing import tag_activation_checkpointing
 from titan.builder.models.spec import RankPlace
 from titan.builder.parallelize import parallelize
 from titan.builder.passes import PASSES, PassContext
+from titan.builder.rank_job import RankJob, RankResult
 from titan.builder.rank_progress import report
 from titan.runtime.contract.graph_encode import encode_graph
 from titan.runtime.contract.layout import mesh_dims_by_group
 from titan.runtime.contract.rank_record import BufferSpec, GraphInput, RankRecord
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
-
-
-@dataclass(kw_only=True, frozen=True)
-class RankJob:
-    build: BuildSpec
-    """What is built: model, layout, batch shape, partitioner, dtype, AC policy, passes."""
-    rank: int
-    """Rank to trace."""
-    depths: tuple[int | None, ...] = (None,)
-    """Trace the model at each of these depths (None: the flavor's own; builder/stamp.py
-    fits deep programs from shallow ones), one after the other in this process."""
-
-
-@dataclass(kw_only=True)
-class RankResult:
-    rank: int
-    depth: int | None
-    """The depth traced (None: the flavor's own)."""
-    forward: bytes
-    backward: bytes
-    meta: RankRecord
-    timings: dict = field(default_factory=dict)
 
 
 def _desc_input(desc) -> GraphInput:

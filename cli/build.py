@@ -102,7 +102,8 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
             shown = diff if explain else diff[:3]
             more = "" if explain or len(diff) <= 3 else f", +{len(diff) - 3} more (--explain)"
             click.echo(f"cache: miss ({why}; nearest entry {nearest[0][:12]} differs in: {', '.join(shown)}{more})")
-        click.echo(f"tracing in {min(jobs, world)} worker process(es); each imports torch first (a few seconds)")
+        click.echo(f"tracing in {min(jobs, world)} worker process(es), forked from one that imports torch first "
+                   "(a few seconds)")
 
     try:
         outcome = build(spec, out, cache=cache, jobs=jobs, progress=progress, on_miss=on_miss, on_stage=shown.stage,

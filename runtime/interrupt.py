@@ -111,9 +111,9 @@ def stop_processes(pids: list[int], *, grace_s: float = STOP_GRACE_S) -> None:
             os.waitpid(pid, 0)
 
 
-def child_pids() -> list[int]:
-    """This process's live children, with their command lines (Linux /proc)."""
-    me, children = os.getpid(), []
+def _live_parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process (Linux /proc)."""
+    parents = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -122,9 +122,26 @@ def child_pids() -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            children.append(int(entry.name))
-    return children
+        if fields[0] != "Z":
+            parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def child_pids() -> list[int]:
+    """This process's live children."""
+    me = os.getpid()
+    return [pid for pid, parent in _live_parents().items() if parent == me]
+
+
+def descendant_pids() -> list[int]:
+    """This process's live descendants, deepest first (a child's children stop before it, so
+    none is left to another parent)."""
+    parents = _live_parents()
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        found = frontier + found
+    return found
 
 
 def command_line(pid: int) -> bytes:

@@ -64,3 +64,15 @@ def test_fit_extends_a_list_that_grows_by_one_block_per_layer():
 def test_fit_refuses_values_that_are_not_one_repeated_block(values):
     with pytest.raises(NotStampable):
         fit(_samples(*values), "value")
+
+
+def test_trace_tasks_keep_both_workers_busy_and_a_rank_whole_when_workers_suffice():
+    from titan.builder.build import trace_tasks
+
+    todo = {0: (3, 4, 5, 6), 1: (3, 4, 5), 3: (3, 4, 5)}
+    split = trace_tasks(todo, jobs=2)
+    assert sorted(split) == sorted((r, (d,)) for r, depths in todo.items() for d in depths)
+    assert [d for _, (d,) in split] == sorted((d for depths in todo.values() for d in depths), reverse=True)
+    whole = trace_tasks(todo, jobs=4)
+    assert whole == [(0, (3, 4, 5, 6)), (1, (3, 4, 5)), (3, (3, 4, 5))]
+    assert trace_tasks({2: (None,)}, jobs=1) == [(2, (None,))]

@@ -72,7 +72,7 @@ def test_bound_program_equals_an_independent_trace_of_an_untraced_rank(debug_art
     art = open_artifact(debug_artifact(tp=4))
     spec = make_spec(model="llama3", flavor="debug", tp=4, dp_shard=1, dp_replicate=1, batch_size=None, seq_len=None)
     assert probe_ranks(spec.layout) == [0, 1, 3]
-    (traced,) = list(_trace(spec, [2], jobs=1, on_stage=lambda rank, stage: None))
+    (traced,) = list(_trace(spec, [(2, (None,))], jobs=1, on_stage=lambda rank, stage: None))
     coords = art.rank_coordinates(2)
     bindings = 0
     for kind, blob in (("forward", traced.forward), ("backward", traced.backward)):

@@ -1,0 +1,21 @@
+"""Imported once by the fork server that every trace process is forked from (builder/build.py):
+torch, the tracer and the modules a trace would otherwise import lazily on its first graph
+(inductor's lowerings and decompositions, which the partitioner reaches), so that no trace
+process pays for them again. Imports only: no process group and no DTensor state is made here
+(one fresh process per rank, builder/trace.py says why).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import titan.builder.trace  # noqa: F401
+
+# Best effort: a torch without one of these only loses the head start.
+_WARM = ("torch._inductor.lowering", "torch._inductor.decomposition", "torch._functorch.compilers",
+         "torch._inductor.fx_passes.joint_graph")
+for _name in _WARM:
+    try:
+        importlib.import_module(_name)
+    except ImportError:
+        pass
