@@ -1,9 +1,11 @@
 """titan-build's pipeline: validate -> cache lookup -> trace the probe ranks (in parallel
-processes; a model deeper than 6 layers at 3-5 layers only, builder/deep_program.py) -> one
+processes forked from one that imported the tracer; a model deeper than 6 layers at 3-5 layers
+only, builder/deep_program.py) -> one
 program with rank bindings (builder/program.py) -> store in the cache -> export the artifact
 (builder/export.py).
 
-Nothing on the cache-hit path imports torch (the tracer is imported only on a miss)."""
+Nothing on the cache-hit path imports torch, and this process never imports the tracer (the
+trace processes do)."""
 
 from __future__ import annotations
 
