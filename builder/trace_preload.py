@@ -8,8 +8,14 @@ process pays for them again. Imports only: no process group and no DTensor state
 from __future__ import annotations
 
 import importlib
+import os
 
-import titan.builder.trace  # noqa: F401
+# Traces run on fake tensors and never need a GPU; hiding the host's GPUs here (and so from
+# every trace process forked from here) keeps an import from initializing CUDA in this process,
+# which forked children could then not use, and makes a build the same on any host.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import titan.builder.trace  # noqa: E402, F401
 
 # Best effort: a torch without one of these only loses the head start.
 _WARM = ("torch._inductor.lowering", "torch._inductor.decomposition", "torch._functorch.compilers",
