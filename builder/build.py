@@ -10,11 +10,13 @@ trace processes do)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -242,7 +244,23 @@ def _trace(spec: BuildSpec, tasks: list[tuple[int, tuple[int | None, ...]]], job
                     break
             for fut in finished:
                 yield from fut.result()
+    _stop_fork_server()
     forget()
+
+
+def _stop_fork_server() -> None:
+    """End the fork server with the tracing: left to notice this process's exit, it would shut
+    its interpreter down (torch loaded) for about a second after titan-build returned. A later
+    build in this process starts a new one."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)  # nothing in it to flush: its children have all exited
+    server._stop()
 
 
 def trace_tasks(todo: dict[int, tuple[int | None, ...]], jobs: int) -> list[tuple[int, tuple[int | None, ...]]]:
