@@ -72,7 +72,7 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_metrics_fil
         while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 11):
             time.sleep(0.02)
         os.killpg(p.pid, signal.SIGINT)
-        assert p.wait(timeout=60) == 130
+        assert p.wait(timeout=120) == 130
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
