@@ -38,3 +38,11 @@ def torchrun_envs(world_size: int, **extra: str) -> list[dict[str, str]]:
     return [dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                  LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
             for rank in range(world_size)]
+
+
+def default_sigint() -> None:
+    """Ctrl-C as in a terminal, whatever this test runner inherited (a Popen preexec_fn): a job
+    started in the background by a non-interactive shell ignores SIGINT, and its children would too."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import param_spec, read_metrics, titan
+from processes import default_sigint
 
 PROBE_RESHARD = """
 # Load a checkpoint into this artifact's layout and save it again, through the runtime's own
@@ -66,13 +67,14 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_metrics_fil
     # (the next checkpoint is steps away, however late the signal lands on a loaded machine).
     p = subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(art), "--steps", "100000", "--checkpoint-dir",
                           str(ckpt), "--checkpoint-every", "10", "--metrics", str(metrics)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 11):
             time.sleep(0.02)
         os.killpg(p.pid, signal.SIGINT)
-        assert p.wait(timeout=120) == 130
+        assert p.wait(timeout=60) == 130
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)

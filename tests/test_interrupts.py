@@ -21,16 +21,10 @@ import time
 from pathlib import Path
 
 from conftest import titan
-from processes import session_pids
+from processes import default_sigint, session_pids
 
 BUILD = ("--flavor", "debug", "--tp", "2", "--jobs", "2")
 BATCH = 8
-
-
-def _default_sigint() -> None:
-    """Ctrl-C as in a terminal, whatever this test runner inherited: a job started in the
-    background by a non-interactive shell ignores SIGINT, and its children would too."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -53,7 +47,7 @@ def _interrupt_at(commands: list[tuple[list[str], dict, float]], tmp_path: Path,
         n = len(list(tmp_path.glob('err-*')))
         err, out = tmp_path / f"err-{n}", tmp_path / f"out-{n}"
         p = subprocess.Popen(argv, env=env, stdout=open(out, "w"), stderr=open(err, "w"),
-                             start_new_session=True, preexec_fn=_default_sigint)
+                             start_new_session=True, preexec_fn=default_sigint)
         started.append({"p": p, "err": err, "out": out, "delay": delay, "t0": time.monotonic(), "argv": argv, "sent": False})
     if ready is not None:  # the delay counts from the first line in each run's file
         for run in started:
