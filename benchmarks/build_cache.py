@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 
 DEFAULT_LAYOUTS = ["debug --tp 2 --dp-shard 2", "8B --tp 4"]
 

@@ -1,7 +1,7 @@
 """Which element-wise ops inductor computes bit for bit as eager does, and what fusing them saves.
 
 For each op and each chain of ops the Llama graphs contain, on one GPU: eager, inductor with
-titan's exact settings (runtime/fusion.py EXACT_CONFIG) and inductor's defaults, on
+titan's exact settings (runtime/kernels/fusion.py EXACT_CONFIG) and inductor's defaults, on
 8192 x 4096 inputs; prints whether each compiled result is torch.equal to eager and the time of
 each. titan's exact-fusion pass fuses only ops this table shows equal.
 
@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import torch._inductor.config as ic
-    from titan.runtime.fusion import exact_config
+    from titan.runtime.kernels.fusion import exact_config
 
     exact = exact_config()
     print(f"torch {torch.__version__}; exact settings present here: {exact}")

@@ -20,10 +20,10 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titan.builder import trace
-from titan.builder.build import make_spec
-from titan.builder.parallelize import parallelize
-from titan.builder.passes import PASSES, PassContext
+from titan.builder.trace.rank_trace import rank_trace as trace
+from titan.builder.spec.build_spec import make_spec
+from titan.builder.trace.parallelize import parallelize
+from titan.builder.passes.registry import PASSES, PassContext
 from titan.runtime.contract.layout import mesh_dims_by_group
 
 

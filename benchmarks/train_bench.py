@@ -60,7 +60,7 @@ LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsd
 def _defaults_but(*dropped: str):
     """titan-build flags for the layout's default passes without `dropped`."""
     def flags(layout: dict) -> list[str]:
-        from titan.builder.passes import default_passes
+        from titan.builder.passes.registry import default_passes
         return ["--passes", ",".join(p for p in default_passes(layout) if p not in dropped)]
     return flags
 
@@ -105,7 +105,7 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from titan.cli.tools.eager import materialize_shards
     from titan.runtime.contract.layout import Layout
     from titan.builder.models import model_spec
-    from titan.builder.parallelize import parallelize
+    from titan.builder.trace.parallelize import parallelize
     from titan.runtime.data import SyntheticTokens
     from titan.runtime.init import full_param
 

@@ -52,7 +52,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
          replace, jobs, cache_dir, explain, kernels):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     if list_passes:
-        from titan.builder.passes import PASSES, default_passes
+        from titan.builder.passes.registry import PASSES, default_passes
         defaults = default_passes({"dp_shard": 2})
         for name, p in PASSES.items():
             label = "numerics-preserving" if p.preserves_numerics else "CHANGES NUMERICS (opt-in)"
@@ -60,10 +60,12 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
             needs = f", needs {' and '.join('--' + d.replace('_', '-') + ' > 1' for d in p.needs)}" if p.needs else ""
             click.echo(f"{name} [{label}{default}{needs}]: {p.line}")
         return
-    from titan.builder.build import build, check_replaceable, make_spec, nearest_entry
-    from titan.builder.cache import Cache
-    from titan.builder.cache_key import build_factors, digest
-    from titan.runtime import timings
+    from titan.builder.build import build, nearest_entry
+    from titan.builder.export.manifest import check_replaceable
+    from titan.builder.spec.build_spec import make_spec
+    from titan.runtime.store.build_cache import Cache
+    from titan.builder.spec.cache_key import build_factors, digest
+    from titan.runtime.common import timings
     from titan.cli.build_progress import BuildProgress
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
@@ -78,7 +80,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     click.echo(f"building {out}: {model} {spec.flavor}, {world} rank(s) [{spec.layout.tag()}], batch "
                f"{spec.batch_size} x seq {spec.seq_len}, {spec.dtype}{timings.expectation('build', key)}")
     t0 = time.perf_counter()
-    from titan.builder.program import probe_ranks
+    from titan.builder.program.bind import probe_ranks
     shown = BuildProgress(len(probe_ranks(spec.layout)))  # the ranks traced (one program binds the rest)
 
     def progress(res):
@@ -116,7 +118,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
         timings.record("build", outcome.key, time.perf_counter() - t0)
     manifest = outcome.manifest
     if kernels:
-        from titan.builder.kernels import add_kernels
+        from titan.builder.export.kernels import add_kernels
         manifest, stats = add_kernels(cache, outcome.key, out)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
     size = sum((out / rel).stat().st_size for rel in manifest.files)

@@ -1,6 +1,6 @@
 """titan-build's per-rank progress: one status line on a terminal, plain lines otherwise.
 
-Stages (builder/rank_progress.py): queued, tracing, partitioning, writing, done, or cache hit.
+Stages (builder/trace/rank_progress.py): queued, tracing, partitioning, writing, done, or cache hit.
 Plain form: `  rank R: STAGE` per change; a traced rank's `done` line is its summary,
 `  rank R: done: traced in ... s, partitioned in ... s, passes ... s; memory: ...`.
 Terminal form: `ranks [####----] 2/4 | done 0 1 | tracing 2 | queued 3 | 0:12`, redrawn in
@@ -14,8 +14,8 @@ import threading
 import time
 from typing import TextIO
 
-from titan.builder.rank_progress import STAGES
-from titan.runtime.progress import StatusLine, bar, duration, is_terminal
+from titan.builder.trace.rank_progress import STAGES
+from titan.runtime.common.progress import StatusLine, bar, duration, is_terminal
 
 
 def _ranks(ranks: list[int]) -> str:

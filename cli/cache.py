@@ -1,5 +1,5 @@
 """titan-cache: list, inspect, verify and garbage-collect the shared build cache and the kernel
-store beside it (compiled fusion regions, runtime/kernel_store.py)."""
+store beside it (compiled fusion regions, runtime/store/kernel_store.py)."""
 
 from __future__ import annotations
 
@@ -58,12 +58,12 @@ def main(ctx, cache_dir):
 
 
 def _cache(ctx):
-    from titan.builder.cache import Cache
+    from titan.runtime.store.build_cache import Cache
     return Cache(ctx.obj)
 
 
 def _kernels(cache):
-    from titan.runtime.kernel_store import KernelStore
+    from titan.runtime.store.kernel_store import KernelStore
     return KernelStore(cache.root / "kernels")
 
 
@@ -87,7 +87,7 @@ def ls_cmd(ctx):
     if not infos:
         click.echo(f"{cache.root}: " + (f"no builds; {kernels}" if kernels else "empty"))
         return
-    from titan.builder.build import non_default_choices
+    from titan.builder.spec.build_spec import non_default_choices
     from titan.builder.models import MODELS
 
     def exact_fusion(model: str) -> bool:
@@ -135,8 +135,8 @@ def info_cmd(ctx, key):
 def verify_cmd(ctx, remove):
     """Re-hash every blob and compiled kernel, authenticate every record, and look for what
     titan never makes (links, special files); exit 1 if anything is wrong."""
-    from titan.builder.cache import cache_layout_problems, remove_planted
-    from titan.runtime.kernel_store import kernel_store_problems
+    from titan.runtime.store.build_cache import cache_layout_problems, remove_planted
+    from titan.runtime.store.kernel_store import kernel_store_problems
 
     root = Path(ctx.obj).expanduser() if ctx.obj else _default_root()
     planted = cache_layout_problems(root) + kernel_store_problems(root / "kernels")
@@ -164,7 +164,7 @@ def verify_cmd(ctx, remove):
 
 
 def _default_root() -> Path:
-    from titan.runtime.artifact import cache_root
+    from titan.runtime.common.environment import cache_root
     return cache_root()
 
 

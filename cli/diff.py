@@ -26,7 +26,7 @@ GRAPHS = {"fw": ("forward",), "bw": ("backward",), "all": ("forward", "backward"
 def main(artifacts, ranks, rank, graph, as_json, max_lines):
     """titan-diff ART --ranks A B  |  titan-diff ART1 ART2 [--rank R]"""
     from titan.cli.tools.graph_diff import diff_ranks
-    from titan.runtime.artifact import open_artifact
+    from titan.runtime.contract.artifact import open_artifact
 
     t0 = time.perf_counter()
     if len(artifacts) == 1:

@@ -82,8 +82,8 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
 
 def _announce(artifact: str, device: str):
     """Open the artifact and say what titan-run does first (and how long it took last time)."""
-    from titan.runtime import timings
-    from titan.runtime.artifact import open_artifact
+    from titan.runtime.common import timings
+    from titan.runtime.contract.artifact import open_artifact
 
     art = open_artifact(artifact)
     last = timings.last("run-start", run_start_key(art.manifest, device))

@@ -15,7 +15,7 @@ from titan.cli.options import NON_NEGATIVE
 def main(artifact, rank, graph):
     """List the forward and/or backward graph of one rank."""
     from titan.cli.tools.graph_listing import list_graph, list_rank_plan
-    from titan.runtime.artifact import open_artifact
+    from titan.runtime.contract.artifact import open_artifact
 
     art = open_artifact(artifact, check_torch=False)
     for line in list_rank_plan(art, rank):

@@ -34,8 +34,8 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
     """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
     launcher = "RANK" not in os.environ
     if launcher:  # the first line, before torch is imported (seconds)
-        from titan.runtime import timings
-        from titan.runtime.artifact import open_artifact
+        from titan.runtime.common import timings
+        from titan.runtime.contract.artifact import open_artifact
         art = open_artifact(artifact)
         key = f"{art.manifest.cache_key}-{steps}-{device}"
         click.echo(f"titan-verify {art.root}: training {steps} step(s) eagerly and from the artifact on "
@@ -89,8 +89,8 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
 
 
 def _numerics_changing_passes(artifact: str) -> list[str]:
-    from titan.builder.passes import PASSES
-    from titan.runtime.artifact import open_artifact
+    from titan.builder.passes.registry import PASSES
+    from titan.runtime.contract.artifact import open_artifact
     passes = open_artifact(artifact).manifest.passes
     return [p for p in passes if p in PASSES and not PASSES[p].preserves_numerics]
 

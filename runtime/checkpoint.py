@@ -5,7 +5,7 @@ On disk, `--checkpoint-dir DIR` holds one directory per saved step:
     DIR/step-00000003/shard-0000R-model-00001-of-00001.safetensors   (DCP, one file per writing rank)
     DIR/step-00000003/titan.json                                      (step, layout, model config, ...)
 
-Every local shard is a box of its global tensor (runtime/shards.py `shard_box`), padded where
+Every local shard is a box of its global tensor (runtime/contract/shards.py `shard_box`), padded where
 an FSDP cut does not divide; only the box's real rows are saved and loaded. DCP's plans are
 made from those boxes (runtime/dcp_boxes.py), so the checkpoint describes global boxes and loads
 into any layout (DCP reads the intersections). Boxes held by several ranks (replicated
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
-from titan.runtime.shards import shard_box
+from titan.runtime.contract.shards import shard_box
 
 STATE_FILE = "titan.json"
 CHECKPOINT_FORMAT = "titan-checkpoint"

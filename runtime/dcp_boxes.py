@@ -1,7 +1,7 @@
 """DCP planners that place each local tensor as a box (offsets, sizes) of its global tensor.
 
 titan's shards are plain local tensors whose place in the global tensor follows from the
-artifact's `slices` (runtime/shards.py `shard_box`; padding rows are not part of the box). DCP's
+artifact's `slices` (runtime/contract/shards.py `shard_box`; padding rows are not part of the box). DCP's
 own types for that (DTensor placements, ShardedTensor) cannot state "this box" directly: a tp
 slice followed by an FSDP cut of it needs strided placements, and ShardedTensor insists that
 one rank's view covers the tensor without overlap, while replicated parameters are held whole

@@ -7,7 +7,7 @@ record (runtime/contract/hf_record.py) that the model's spec wrote at build time
 imports model code.
 
 Only JSON (config.json, model.safetensors.index.json) and safetensors headers and slices are
-read: no pickle. Each parameter's shard is a box of the global tensor (runtime/shards.py
+read: no pickle. Each parameter's shard is a box of the global tensor (runtime/contract/shards.py
 `shard_box`), read with `safe_open(...).get_slice`, so a rank reads only what it holds (and
 pads it as FSDP's uneven cuts require).
 
@@ -27,8 +27,8 @@ import torch
 
 from titan.runtime.contract.hf_record import ROPE_PREFIX, ROPE_TYPE, HFRecord, hf_record
 from titan.runtime.contract.rank_record import ParamSpec
-from titan.runtime.init import pad_shard
-from titan.runtime.shards import ShardBox, shard_box
+from titan.runtime.contract.shard_tensors import pad_shard
+from titan.runtime.contract.shards import ShardBox, shard_box
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"

@@ -13,7 +13,7 @@ import hashlib
 import torch
 
 from titan.runtime.contract.rank_record import ParamSpec
-from titan.runtime.shards import ShardBox, shard_box
+from titan.runtime.contract.shard_tensors import shard_of
 
 
 def param_seed(seed: int, fqn: str) -> int:
@@ -35,26 +35,6 @@ def full_param(spec: dict, shape: list[int], *, fqn: str, seed: int, device: tor
     if kind == "trunc_normal":
         return torch.nn.init.trunc_normal_(t, 0.0, spec["std"], spec["a"], spec["b"], generator=g)
     raise ValueError(f"unknown init kind {kind!r} for {fqn}")
-
-
-def shard_of(full: torch.Tensor, slices: list[list[int]]) -> torch.Tensor:
-    """This rank's local tensor of `full`: its box, padded with zeros to full chunks where a
-    cut does not divide (runtime/shards.py). A sliced shard is a copy, so that the full tensor
-    can be freed."""
-    if not slices:
-        return full
-    box = shard_box(slices, list(full.shape))
-    return pad_shard(full[box.global_index()], box)
-
-
-def pad_shard(real: torch.Tensor, box: ShardBox) -> torch.Tensor:
-    """The local tensor holding `real` (the box's rows): a contiguous copy, zero-padded to the
-    box's local shape."""
-    if not box.padded:
-        return real.clone(memory_format=torch.contiguous_format)
-    local = torch.zeros(box.local_shape, dtype=real.dtype, device=real.device)
-    local[box.local_index()] = real
-    return local
 
 
 def materialize(param: ParamSpec, *, seed: int, device: torch.device) -> torch.Tensor:

@@ -6,7 +6,7 @@ fails, the others are stopped (they would block in a collective) and the job fai
 first failure's cause: a rank killed by a signal is named with it (`error: rank 1 was killed by
 SIGKILL`), and that comes before the peers that then lost it.
 
-The ranks start with SIGINT blocked (runtime/interrupt.py): a Ctrl-C reaches only this launcher,
+The ranks start with SIGINT blocked (runtime/common/interrupt.py): a Ctrl-C reaches only this launcher,
 which stops them and prints the one `interrupted` line.
 
 The launcher hosts the rendezvous store itself (as torchrun's agent does), on a port the OS
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from titan.runtime import interrupt
+from titan.runtime.common import interrupt
 
 PID_KEY = "titan/pid/{rank}"
 
@@ -32,7 +32,7 @@ def _rank_gpus(world_size: int) -> list[str] | None:
     """The GPU each local rank gets (as CUDA_VISIBLE_DEVICES names it), when the host has one per
     rank. Each rank then sees only its own GPU, as cuda:0 (as torchrun --virtual-local-rank
     does): generated kernels name their device index, and this way every rank's kernels are
-    the same kernels (runtime/fusion.py)."""
+    the same kernels (runtime/kernels/fusion.py)."""
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:

@@ -15,7 +15,7 @@ MAX_METRICS_BYTES = 1 << 30
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics file; ValueError naming the line for anything else."""
-    from titan.runtime.safe_files import check_depth, read_user_file
+    from titan.runtime.common.safe_files import check_depth, read_user_file
 
     path = Path(path)
     records = []

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from titan.runtime import interrupt
-from titan.runtime.progress import StatusLine, bar, duration, is_terminal
+from titan.runtime.common import interrupt
+from titan.runtime.common.progress import StatusLine, bar, duration, is_terminal
 
 TENSORBOARD_HINT = "pip install -e '.[watch]' from a clone (or: pip install tensorboard)"
 SCALARS = ("loss", "tokens_per_s", "step_time_s", "peak_mem_gib", "expert_load_max", "expert_load_mean",

@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
+from titan.runtime.contract.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.buffer_state import BufferState
 from titan.runtime.data import SyntheticTokens, TokenFile
-from titan.runtime.fusion import compile_program_regions
+from titan.runtime.kernels.fusion import compile_program_regions
 from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
 from titan.runtime.contract.graph_decode import load_graph, region_kinds
 from titan.runtime.init import materialize
@@ -202,7 +202,7 @@ COMPILED_ON_ANY_DEVICE = ("fuse_regions", "fuse_blocks")
 def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
              on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Train this rank; `on_step(step)` (if given) runs after each step's bookkeeping."""
-    from titan.runtime import timings
+    from titan.runtime.common import timings
     from titan.runtime.launch import register_rank
     from titan.runtime.run_state import RunState
 

@@ -50,7 +50,7 @@ def assert_every_rank_equals_eager(art: Path, tmp_path: Path, *, steps: int, ran
 def param_spec(fqn: str, global_shape: list[int], slices: list[list[int]]):
     """A parameter-table entry (what a rank record holds) for the shard `slices` cut."""
     from titan.runtime.contract.rank_record import ParamSpec
-    from titan.runtime.shards import shard_box
+    from titan.runtime.contract.shards import shard_box
     return ParamSpec(fqn=fqn, global_shape=tuple(global_shape), local_shape=shard_box(slices, global_shape).local_shape,
                      placements={}, slices=tuple(map(tuple, slices)), init={"kind": "zeros"})
 

@@ -30,9 +30,9 @@ from titan.runtime.contract.graph_encode import encode_graph
 from titan.builder.models.deepseek_v3.config import FLAVORS
 from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param, set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
-from titan.builder.checkpointing import tag_activation_checkpointing
+from titan.builder.passes.checkpointing import tag_activation_checkpointing
 from titan.builder.models.deepseek_v3 import SPEC
-from titan.builder.trace import copy_graph_module, module_provenance
+from titan.builder.trace.rank_trace import copy_graph_module, module_provenance
 from titan.runtime.contract.graph_decode import load_graph
 
 

@@ -12,7 +12,7 @@ import time
 import filelock
 
 from conftest import read_metrics, titan
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 
 SINGLE = ("--flavor", "debug")
 

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 import torch
 from titan.runtime import checkpoint
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.distributed import RankEnv, exit_rank, init_process_group, shutdown
 from titan.runtime.train import make_optimizer
 
@@ -229,8 +229,8 @@ def test_bad_checkpoints_are_refused_and_nothing_is_lost(debug_artifact, tmp_pat
                                     [[0, 3, 2]], [[1, 2, 1], [0, 5, 4]], [[0, 48, 31]], [[0, 48, 47]]])
 def test_a_shard_is_the_box_its_slices_describe(slices):
     """FSDP2's cut: torch.chunk's rows for each part, zero-padded to a full chunk."""
-    from titan.runtime.init import shard_of
-    from titan.runtime.shards import shard_box
+    from titan.runtime.contract.shard_tensors import shard_of
+    from titan.runtime.contract.shards import shard_box
 
     full = torch.arange(1, 64 * 32 + 1, dtype=torch.float32).view(64, 32)
     box = shard_box(slices, [64, 32])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.checks import ArtifactError
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.contract.rank_record import Bucket, GraphInput, ParamSpec, RankRecord

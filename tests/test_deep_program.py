@@ -1,4 +1,4 @@
-"""A deep model's program is fitted from shallow traces (builder/stamp.py, deep_program.py) and
+"""A deep model's program is fitted from shallow traces (builder/program/stamp.py, deep.py) and
 must be exactly the program that tracing every probe rank at full depth gives: every node,
 every binding, the metadata."""
 
@@ -8,12 +8,14 @@ import dataclasses
 
 import pytest
 
-from titan.builder.build import _Tracer, build, make_spec
-from titan.builder.cache import Cache
-from titan.builder.cache_key import build_factors
-from titan.builder.program import one_program, probe_ranks
-from titan.builder.stamp import STAMP_CHECK_DEPTH, STAMP_DEPTHS, NotStampable, fit
-from titan.runtime.artifact import open_artifact
+from titan.builder.build import build
+from titan.builder.trace.cached import CachedTracer
+from titan.builder.spec.build_spec import make_spec
+from titan.runtime.store.build_cache import Cache
+from titan.builder.spec.cache_key import build_factors
+from titan.builder.program.bind import one_program, probe_ranks
+from titan.builder.program.stamp import STAMP_CHECK_DEPTH, STAMP_DEPTHS, NotStampable, fit
+from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.graph_doc import read_doc
 
 
@@ -26,7 +28,7 @@ def test_a_program_fitted_from_shallow_traces_equals_the_full_depth_trace(tmp_pa
                                          batch_size=None, seq_len=None), n_layers=7)
     cache = Cache(tmp_path / "cache")
     probes = probe_ranks(spec.layout)
-    tracer = _Tracer(spec, cache, build_factors(spec), 2, lambda rank, stage: None, lambda res: None)
+    tracer = CachedTracer(spec, cache, build_factors(spec), 2, lambda rank, stage: None, lambda res: None)
     tracer.trace(probes, depths=lambda r: STAMP_DEPTHS + ((STAMP_CHECK_DEPTH,) if r == 0 else ()) + (None,))
     traced = one_program(spec.layout, [tracer.traces[r, None] for r in probes])
     assert traced.bindings > 0
@@ -67,7 +69,7 @@ def test_fit_refuses_values_that_are_not_one_repeated_block(values):
 
 
 def test_trace_tasks_keep_both_workers_busy_and_a_rank_whole_when_workers_suffice():
-    from titan.builder.build import trace_tasks
+    from titan.builder.trace.pool import trace_tasks
 
     todo = {0: (3, 4, 5, 6), 1: (3, 4, 5), 3: (3, 4, 5)}
     split = trace_tasks(todo, jobs=2)

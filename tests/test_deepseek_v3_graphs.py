@@ -87,7 +87,7 @@ def test_expert_parallel_step_traces_to_static_shapes_without_host_sync():
 def test_built_graphs_have_no_host_sync_and_static_shapes(debug_artifact):
     """Every rank's forward and backward graph of `titan-build --model deepseek_v3 --ep 2`, read
     as the runtime reads them (digest-verified graph documents)."""
-    from titan.runtime.artifact import open_artifact
+    from titan.runtime.contract.artifact import open_artifact
     from titan.runtime.contract.graph_doc import read_doc
 
     art = open_artifact(debug_artifact(extra=("--model", "deepseek_v3", "--ep", "2")))

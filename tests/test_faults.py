@@ -122,11 +122,11 @@ def test_cache_load_32_builders_4_keys_with_gc_alongside(tmp_path):
     assert gc_runs >= 1 and removed >= 1 and 4 <= traced <= 32
     # Every artifact is complete and every remaining cache entry verifies.
     for i in range(32):
-        r = subprocess.run([sys.executable, "-c", "import sys; from titan.runtime.artifact import open_artifact;"
+        r = subprocess.run([sys.executable, "-c", "import sys; from titan.runtime.contract.artifact import open_artifact;"
                             "open_artifact(sys.argv[1]).verify_all()", str(tmp_path / f"a{i}")],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
     assert titan("cache", "verify", env=env).returncode == 0
-    from titan.builder.cache import Cache
+    from titan.runtime.store.build_cache import Cache
     cache = Cache(tmp_path / "cache")
     assert all(cache.get_entry(k)[0] is not None for k in cache.entry_keys())

@@ -7,7 +7,7 @@ import os
 import time
 
 from conftest import read_metrics, titan
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 
 
 def _fusion_line(stdout: str) -> str:
@@ -93,7 +93,7 @@ def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact
 
 
 def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eager_on_cpu(debug_artifact, tmp_path):
-    from titan.builder.regions import EXACT_OPS
+    from titan.builder.passes.regions import EXACT_OPS
     from titan.runtime.contract.graph_decode import resolve_target, target_name
     from titan.runtime.contract.graph_doc import read_doc
 
@@ -147,7 +147,7 @@ def test_exact_regions_that_would_need_each_other_are_split_until_they_can_be_or
     import torch
     import torch.fx as fx
 
-    from titan.builder.regions import fuse_exact_pass
+    from titan.builder.passes.regions import fuse_exact_pass
 
     aten = torch.ops.aten
     g = fx.Graph()

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.graph_decode import load_graph
 from titan.runtime.train import GraphProgram
 

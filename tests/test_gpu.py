@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import read_metrics, titan
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 
 
 @pytest.mark.gpu(count=1)
@@ -139,7 +139,7 @@ def test_second_run_loads_every_kernel_and_compiles_none(tmp_path):
     second = titan("run", art, "--steps", 2, "--device", "cuda", env=env)
     assert second.returncode == 0, second.stderr
     line = _fusion_line(second.stdout)
-    # Every kernel comes back as a plan (runtime/kernel_plan.py): inductor is never imported.
+    # Every kernel comes back as a plan (runtime/kernels/kernel_plan.py): inductor is never imported.
     assert " 0 compiled" in line and "as kernel plans" in line and "inductor not loaded" in line, line
 
 

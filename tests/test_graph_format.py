@@ -74,7 +74,7 @@ def test_ops_titan_never_emits_are_refused_even_if_safe_looking(target):
 
 
 def test_allow_list_has_no_memory_unsafe_op_and_covers_every_op_titan_builds(debug_artifact):
-    from titan.runtime.artifact import open_artifact
+    from titan.runtime.contract.artifact import open_artifact
     from titan.runtime.contract.graph_doc import read_doc
     from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 

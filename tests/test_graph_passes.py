@@ -12,13 +12,13 @@ from torch._functorch._aot_autograd.descriptors import ParamAOTInput, PlainAOTIn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from titan.builder.bucketing import bucket_all_gather_pass, bucket_reduce_scatter_pass
-from titan.builder.checkpointing import tag_activation_checkpointing
-from titan.builder.embedding_mask import mask_index_put_to_where_pass
-from titan.builder.overlap import overlap_collectives_pass
+from titan.builder.passes.bucketing import bucket_all_gather_pass, bucket_reduce_scatter_pass
+from titan.builder.passes.checkpointing import tag_activation_checkpointing
+from titan.builder.passes.embedding_mask import mask_index_put_to_where_pass
+from titan.builder.passes.overlap import overlap_collectives_pass
 from titan.builder.models import model_spec
-from titan.builder.passes import PassContext
-from titan.builder.regions import fuse_blocks_pass, fuse_exact_pass, fuse_regions_pass
+from titan.builder.passes.registry import PassContext
+from titan.builder.passes.regions import fuse_blocks_pass, fuse_exact_pass, fuse_regions_pass
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

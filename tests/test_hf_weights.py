@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import param_spec, read_metrics, titan
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -156,7 +156,7 @@ def test_shards_that_cut_heads_read_the_right_rows(slices, hf_dir):
     seeded init pads them."""
     from titan.builder.models import model_spec
     from titan.runtime.hf_weights import HFCheckpoint, titan_rows_from_hf
-    from titan.runtime.init import shard_of
+    from titan.runtime.contract.shard_tensors import shard_of
 
     llama3 = model_spec("llama3")
     cfg = llama3.flavors["debug"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from titan.runtime.kernel_plan import (MAGIC, BadPlan, Kernel, Launch, Output, Plan, decode_plan, encode_plan,
+from titan.runtime.kernels.kernel_plan import (MAGIC, BadPlan, Kernel, Launch, Output, Plan, decode_plan, encode_plan,
                                        is_plan)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_every_rank_equals_eager, read_metrics, titan
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 
 LAYOUTS = [dict(tp=2), dict(dp_shard=2), dict(tp=2, dp_shard=2)]
 STEPS = 10
@@ -57,8 +57,8 @@ def test_uneven_fsdp_shards_are_padded_and_equal_eager_on_every_rank(debug_artif
 
 def test_405b_at_tp8_dp_shard_128_is_a_valid_layout():
     """The embedding's 16,032 rows per tp shard do not divide by 128: FSDP pads, titan builds."""
-    from titan.builder.build import make_spec
-    from titan.runtime.shards import shard_box
+    from titan.builder.spec.build_spec import make_spec
+    from titan.runtime.contract.shards import shard_box
 
     spec = make_spec(model="llama3", flavor="405B", tp=8, dp_shard=128, dp_replicate=1, batch_size=None,
                      seq_len=None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import titan
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 
 
 def test_vocab_parallel_embedding_mask_uses_where_not_index_put(debug_artifact):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import assert_every_rank_equals_eager, titan
-from titan.builder.program import NotOneProgram, Trace, one_program, probe_ranks
-from titan.runtime.artifact import open_artifact
+from titan.builder.program.bind import NotOneProgram, Trace, one_program, probe_ranks
+from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.bindings import bind_value
 from titan.runtime.contract.graph_decode import load_graph, region_kinds
 from titan.runtime.contract.graph_doc import BIND, FORMAT, VERSION, GraphFormatError, read_doc
@@ -67,12 +67,13 @@ def test_build_says_how_many_programs_it_traced(debug_artifact, tmp_path):
 def test_bound_program_equals_an_independent_trace_of_an_untraced_rank(debug_artifact):
     """tp=4 traces the probe ranks 0, 1 and 3 (checked against their own traces at build
     time); rank 2 is bound only. Trace it on its own and compare every node."""
-    from titan.builder.build import _trace, make_spec
+    from titan.builder.trace.pool import trace_in_processes
+    from titan.builder.spec.build_spec import make_spec
 
     art = open_artifact(debug_artifact(tp=4))
     spec = make_spec(model="llama3", flavor="debug", tp=4, dp_shard=1, dp_replicate=1, batch_size=None, seq_len=None)
     assert probe_ranks(spec.layout) == [0, 1, 3]
-    (traced,) = list(_trace(spec, [(2, (None,))], jobs=1, on_stage=lambda rank, stage: None))
+    (traced,) = list(trace_in_processes(spec, [(2, (None,))], jobs=1, on_stage=lambda rank, stage: None))
     coords = art.rank_coordinates(2)
     bindings = 0
     for kind, blob in (("forward", traced.forward), ("backward", traced.backward)):

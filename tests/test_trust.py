@@ -118,7 +118,7 @@ class _Canary:
 
 
 def test_planted_kernel_with_consistent_digest_is_never_loaded(victim):
-    from titan.runtime.kernel_store import KernelStore
+    from titan.runtime.store.kernel_store import KernelStore
 
     cache, outside, _, env = victim
     canary = outside / "canary"

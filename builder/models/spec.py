@@ -102,7 +102,7 @@ class ModelSpec:
     """The tensor-parallel plan for parallelize_module: module path -> parallel style."""
     check_layout: Callable[[ModelConfig, Layout], None]
     """The model's own layout checks: raise ValueError, naming the reason and the fix, when a
-    layout does not divide the model (builder/layout.py runs the checks common to every family
+    layout does not divide the model (builder/spec/layout.py runs the checks common to every family
     first)."""
     region_kind: Callable[[str], str | None]
     """Module path -> fuse_regions' region kind (e.g. 'rms_norm'), or None: not fused."""
@@ -114,7 +114,7 @@ class ModelSpec:
     unit, or None for modules outside blocks (embedding, final norm, output, loss)."""
     expert_param: Callable[[str], bool] | None = None
     """Parameter name -> whether it is a routed expert's, split on dim 0 over the `ep` mesh
-    dimension (builder/parallelize.py); None: the family has no experts and builds with --ep 1."""
+    dimension (builder/trace/parallelize.py); None: the family has no experts and builds with --ep 1."""
     place_rank: Callable[[nn.Module, RankPlace], dict | None] = lambda model, place: None
     """After parallelize, before the trace (and in the eager reference): give the model what
     depends on the rank's place (a mixture of experts' dispatch plan and process groups).
@@ -129,7 +129,7 @@ class ModelSpec:
     leading_layers: Callable[[ModelConfig], int] = lambda cfg: 0
     """How many first blocks differ from the repeated block that follows them (e.g. dense
     feed-forward blocks before the experts): a deep model's shallow traces keep all of them and
-    add 3-5 repeated blocks (builder/deep_program.py)."""
+    add 3-5 repeated blocks (builder/program/deep.py)."""
     hf_checkpoint: Callable[[ModelConfig, list[str]], HFRecord] | None = None
     """The Hugging Face checkpoint record for the given parameters (names, row permutations,
     expected config.json values), written into the manifest for --init-from-hf and
@@ -142,3 +142,10 @@ class ModelSpec:
     def config_from_dict(self, values: dict) -> ModelConfig:
         """The manifest's model_config back into the family's config type."""
         return type(self.flavors[self.flavors.default])(**values)
+
+
+def require_divides(flag: str, degree: int, sizes: dict[str, int]) -> None:
+    """Raise ValueError unless the `--flag` degree divides each named size of the model."""
+    for what, size in sizes.items():
+        if size % degree:
+            raise ValueError(f"--{flag} {degree} does not divide the {what} ({size}); pick a --{flag} that divides it")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from titan.builder.models.spec import ModelConfig, ModelSpec, RankPlace
-from titan.builder.parallelize import ParamShard, parallelize
+from titan.builder.trace.parallelize import ParamShard, parallelize
 from titan.runtime.init import materialize
 from titan.runtime.contract.layout import Layout
 

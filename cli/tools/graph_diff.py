@@ -16,7 +16,7 @@ import difflib
 import json
 from dataclasses import dataclass, field
 
-from titan.runtime.artifact import Artifact
+from titan.runtime.contract.artifact import Artifact
 from titan.runtime.contract.bindings import bind_value
 from titan.runtime.contract.graph_doc import BIND, GROUP, NODE, read_doc
 from titan.runtime.contract.rank_record import Bucket, RankRecord

@@ -3,7 +3,7 @@ inputs and outputs named from the rank metadata. Reads graph documents only (no 
 
 from __future__ import annotations
 
-from titan.runtime.artifact import Artifact
+from titan.runtime.contract.artifact import Artifact
 from titan.runtime.contract.bindings import Binding
 from titan.runtime.contract.graph_doc import BIND, DEVICE, DTYPE, GROUP, NODE, TUPLE, read_doc
 from titan.runtime.contract.rank_record import RankRecord

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from titan.runtime.artifact import file_sha256
+from titan.runtime.contract.artifact import file_sha256
 from titan.runtime.data import sidecar_path
 
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from titan.cli.tools.eager import EagerProgram
 from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
-from titan.runtime.artifact import open_artifact
+from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.distributed import RankEnv, init_process_group, pick_device
 from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, step_function,

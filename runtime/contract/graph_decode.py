@@ -36,7 +36,7 @@ from titan.runtime.contract.graph_doc import (BIND, DEVICE, DTYPE, FORMAT, GROUP
                                              MEMORY_FORMAT, NODE, TUPLE, VERSION, GraphFormatError, read_doc)
 from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 
-# A fusion region tag: "<kind>#<n>"; runtime/fusion.py compiles each region.
+# A fusion region tag: "<kind>#<n>"; runtime/kernels/fusion.py compiles each region.
 REGION = re.compile(r"([a-z_]{1,16})#\d{1,6}")
 # The region kinds each fusion pass makes: a graph may carry only the tags of the pass its
 # manifest records (a tag added to a graph built without fusion is refused, not compiled).

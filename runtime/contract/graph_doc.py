@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgpack
 
-from titan.runtime.safe_files import UnsafeFile, check_depth
+from titan.runtime.common.safe_files import UnsafeFile, check_depth
 
 FORMAT = "titan-graph"
 VERSION = 2  # 2: integers bound from rank coordinates ({"$bind": ...})

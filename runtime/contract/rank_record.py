@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from titan.runtime.contract.bindings import bound_params
 from titan.runtime.contract.checks import ArtifactError, check_int, check_shape, check_str, fail
 from titan.runtime.contract.layout import Layout
-from titan.runtime.shards import shard_box
+from titan.runtime.contract.shards import shard_box
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -39,12 +39,12 @@ class GraphInput:
 
 @dataclass(kw_only=True, frozen=True)
 class ParamShard:
-    """Where a rank's shard of one parameter sits in the global tensor (builder/parallelize.py
+    """Where a rank's shard of one parameter sits in the global tensor (builder/trace/parallelize.py
     cuts it)."""
     fqn: str
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
-    """The shard's shape, padded to full chunks where a cut does not divide (runtime/shards.py)."""
+    """The shard's shape, padded to full chunks where a cut does not divide (runtime/contract/shards.py)."""
     placements: dict[str, str]
     """Mesh dimension -> DTensor placement ("S(0)", "R"), for the tools."""
     slices: tuple[tuple, ...]
@@ -84,7 +84,7 @@ class ParamSpec(ParamShard):
             check_int(cut[0], where, 0, len(global_shape) - 1)
             parts = check_int(cut[1], where, 1, 1 << 16)
             check_int(cut[2], where, 0, parts - 1)
-        # A cut that does not divide its dim leaves padded chunks (runtime/shards.py), as FSDP2 does.
+        # A cut that does not divide its dim leaves padded chunks (runtime/contract/shards.py), as FSDP2 does.
         local = shard_box(slices, list(global_shape)).local_shape
         if local != check_shape(p.get("local_shape"), where):
             fail(where, f"slices of {list(global_shape)} give {list(local)}, not local_shape {p.get('local_shape')}")

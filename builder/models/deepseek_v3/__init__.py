@@ -7,7 +7,7 @@ Importing this imports no torch.
 
 from __future__ import annotations
 
-from titan.builder.layout import require_divides
+from titan.builder.models.spec import require_divides
 from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config
 from titan.builder.models.deepseek_v3.hf_names import hf_checkpoint
 from titan.builder.models.deepseek_v3.init import init_specs

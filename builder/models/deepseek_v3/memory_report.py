@@ -26,7 +26,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titan.builder.models.deepseek_v3.config import FLAVORS
 from titan.builder.models.deepseek_v3.dispatch import DispatchPlan, make_plan
 from titan.builder.models.deepseek_v3.moe import MoE
-from titan.builder.trace import copy_graph_module
 
 
 class _LayerStep(nn.Module):
@@ -60,7 +59,7 @@ def saved_activation_bytes(flavor: str, *, ep: int, tokens: int, capacity_factor
             x = torch.empty(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
         with contextlib.ExitStack() as stack:
             joint = aot_export_joint_with_descriptors(stack, step, (x,))
-            fw, _ = min_cut_rematerialization_partition(copy_graph_module(joint.graph_module), None,
+            fw, _ = min_cut_rematerialization_partition(joint.graph_module, None,
                                                         num_fwd_outputs=1)
             saved = next(n for n in fw.graph.nodes if n.op == "output").args[0][1:]
             # Weights (and views of them) are saved too, but they are held anyway.

@@ -11,7 +11,7 @@ summed over tp (`rope_key`).
 
 The mixture of experts routes this rank's sequence shard, as torchtitan's does with sequence
 parallel: it takes and returns local tensors, and its parameters, which the plan leaves plain,
-have their gradients summed over tp (builder/parallelize.py).
+have their gradients summed over tp (builder/trace/parallelize.py).
 """
 
 from __future__ import annotations

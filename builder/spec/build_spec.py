@@ -1,0 +1,149 @@
+"""What one titan-build makes, validated: the model and flavor, the layout, the batch shape,
+dtype, activation checkpointing and passes (a BuildSpec), and the artifact name it gets.
+Every user input is checked here, before anything is traced; ValueError names the fix."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+
+from titan.builder.passes.checkpointing import AC_POLICIES
+from titan.builder.spec.layout import check_layout
+from titan.builder.models import model_spec
+from titan.builder.models.spec import ModelConfig, ModelSpec
+from titan.builder.passes.registry import check_passes, default_passes
+from titan.runtime.contract.layout import Layout
+
+# Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
+DEFAULT_SHAPE = {"debug": (2, 128)}
+PARTITIONERS = ("min_cut", "default")
+# Tokens per rank and step: 8B's pretraining batch (16 x 8192) is 2^17; 2^22 is far past what
+# any device holds, and keeps every graph's element counts realistic.
+MAX_TOKENS_PER_RANK = 2**22
+
+
+@dataclass(kw_only=True, frozen=True)
+class BuildSpec:
+    model: str
+    """Model family (builder/models registry)."""
+    flavor: str
+    """Size within the family."""
+    layout: Layout
+    """Parallel layout."""
+    batch_size: int
+    """Sequences per data-parallel rank per step."""
+    seq_len: int
+    """Tokens per sequence."""
+    partitioner: str = "min_cut"
+    """Forward/backward partitioner."""
+    dtype: str = "float32"
+    """Compute dtype (parameters and optimizer state stay float32)."""
+    ac: str = "none"
+    """Activation checkpointing policy (builder/passes/checkpointing.py)."""
+    graph_passes: tuple[str, ...]
+    """Passes applied after partitioning, in order (builder/passes/registry.py)."""
+    n_layers: int | None = None
+    """The flavor with this many layers instead of its own (tests of deep models at debug
+    widths); part of the model config, so of the cache key."""
+
+    @property
+    def passes(self) -> tuple[str, ...]:
+        return (f"partition:{self.partitioner}", *self.graph_passes)
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return model_spec(self.model)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        cfg = self.model_spec.flavors[self.flavor]
+        return cfg if self.n_layers is None else replace(cfg, n_layers=self.n_layers)
+
+    @property
+    def name(self) -> str:
+        """The default artifact directory's name: model, flavor and layout, then each choice that
+        shapes the graphs and differs from its default (`llama3-debug-tp2-s256-bf16-ac-full`), so
+        that two different builds never share a default directory."""
+        flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
+        return "-".join([f"{self.model}{flavor}-{self.layout.tag()}",
+                         *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
+                                              batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
+                                              ac=self.ac, passes=self.passes,
+                                              exact_fusion=self.model_spec.exact_fusion)])
+
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def _default_dtype(flavor: str) -> str:
+    # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
+    return "float32" if flavor == "debug" else "bfloat16"
+
+
+def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: int, dtype: str, ac: str,
+                        passes: list[str] | tuple[str, ...], exact_fusion: bool = True) -> list[str]:
+    """Short tags for each graph-shaping choice that differs from its default, in a fixed order:
+    b4, s256, bf16, ac-full, default-partition, fuse-blocks, passes-<digest of the list>. Names
+    artifacts and tells builds apart in `titan-cache ls`. `passes` as in BuildSpec.passes."""
+    tags = []
+    default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
+    if batch_size != default_b:
+        tags.append(f"b{batch_size}")
+    if seq_len != default_s:
+        tags.append(f"s{seq_len}")
+    if dtype != _default_dtype(flavor):
+        tags.append(DTYPE_TAGS.get(dtype, dtype))
+    if ac != "none":
+        tags.append(f"ac-{ac}")
+    partitioner, *graph_passes = passes
+    if partitioner != "partition:min_cut":
+        tags.append(f"{partitioner.split(':')[-1]}-partition")
+    defaults = default_passes({name: size for name, size in mesh}, exact_fusion=exact_fusion)
+    fuse = next((p for p in graph_passes if p in ("fuse_regions", "fuse_blocks")), None)
+    if fuse is not None:
+        tags.append(fuse.replace("_", "-"))
+        defaults = tuple(p for p in defaults if p != "fuse_exact") + (fuse,)
+    if tuple(graph_passes) != defaults:
+        tags.append("passes-" + hashlib.sha256(",".join(graph_passes).encode()).hexdigest()[:8])
+    return tags
+
+
+def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int, ep: int = 1,
+              batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
+              dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
+              fuse: str | None = None) -> BuildSpec:
+    """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it."""
+    family = model_spec(model)
+    flavor = flavor or family.default_flavor
+    if flavor not in family.flavors:
+        raise ValueError(f"unknown flavor {flavor!r} for {model}; available: {', '.join(family.flavors)}")
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
+    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
+    check_layout(family, family.flavors[flavor], layout)
+    default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
+    batch_size = default_b if batch_size is None else batch_size
+    seq_len = default_s if seq_len is None else seq_len
+    if batch_size < 1 or seq_len < 2:
+        raise ValueError("--batch-size must be >= 1 and --seq-len >= 2")
+    if batch_size * seq_len > MAX_TOKENS_PER_RANK:
+        raise ValueError(f"--batch-size {batch_size} x --seq-len {seq_len} is {batch_size * seq_len:,} tokens per rank, "
+                         f"more than {MAX_TOKENS_PER_RANK:,}; use a smaller batch or more data-parallel ranks")
+    if seq_len % tp:
+        raise ValueError(f"--seq-len {seq_len} must be divisible by --tp {tp} (sequence parallel shards it)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {dtype!r}; use bf16 or fp32")
+    dtype = DTYPES[dtype] if dtype else _default_dtype(flavor)
+    if ac not in AC_POLICIES:
+        raise ValueError(f"unknown --ac {ac!r}; use one of {', '.join(AC_POLICIES)}")
+    sizes = dict(layout.mesh_shape())
+    passes = default_passes(sizes, exact_fusion=family.exact_fusion) if passes is None else tuple(passes)
+    if fuse is not None:
+        if fuse not in ("regions", "blocks"):
+            raise ValueError(f"--fuse {fuse!r}: use regions or blocks")
+        # --fuse's regions take in the exact ones.
+        passes = tuple(p for p in passes if p != "fuse_exact") + (f"fuse_{fuse}",)
+    check_passes(passes, sizes)
+    return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
+                     partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac)

@@ -1,0 +1,119 @@
+"""The trace processes of a build: forked from one server that imported torch and the tracer
+once (builder/preload), one fresh process per task, `--jobs` at a time, each reporting its stages;
+and stopping all of them, whatever ends the build."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING, Callable
+
+from titan.runtime.common import interrupt
+
+if TYPE_CHECKING:
+    from titan.builder.spec.build_spec import BuildSpec
+
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
+def trace_context():
+    """Trace processes are forked from one server that has imported torch and the tracer once
+    (builder/trace/preload.py): a fresh process for every task (rank_trace.py says why) that does
+    not import torch again. The server lives as long as this process, so later builds in it
+    start their traces at once."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["titan.builder.trace.preload"])
+    return ctx
+
+
+def trace_in_processes(spec: BuildSpec, tasks: list[tuple[int, tuple[int | None, ...]]], jobs: int,
+           on_stage: Callable[[int, str], None]):
+    """Yield RankResults as tasks finish; a task (rank, depths) traces one rank at those depths
+    in a fresh process (see rank_trace.py). Tasks start in the order given, each on the first free
+    worker. The processes report their stages (rank_progress.py), passed on to `on_stage`
+    meanwhile."""
+    from titan.builder.trace.rank_job import RankJob, start_trace_process, trace_job
+
+    if not tasks:
+        return
+    ctx = trace_context()
+    # After a Ctrl-C ends this process (os._exit skips the finalizers of the pool's semaphores),
+    # multiprocessing's resource tracker unlinks them, as it should, and warns about each: its
+    # interpreter takes this process's -W options, so that expected cleanup stays silent.
+    if QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(QUIET_TRACKER)
+    # A Ctrl-C stops the workers from here (runtime/common/interrupt.py): they start with SIGINT blocked.
+    forget = interrupt.on_interrupt(stop_workers)
+    # The queue starts multiprocessing's resource tracker, whose start unblocks SIGINT in the
+    # calling thread when it is done: so it comes before the block below, not inside it.
+    stages = ctx.Queue()
+    with interrupt.children_ignore_ctrl_c():  # the pool's threads, the fork server and every worker inherit it
+        pool = cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(tasks))), mp_context=ctx,
+                                      max_tasks_per_child=1, initializer=start_trace_process,
+                                      initargs=(stages, os.getpid()))
+        pending = {pool.submit(trace_job, RankJob(build=spec, rank=r, depths=d)) for r, d in tasks}
+    with pool:
+        while pending:
+            finished, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
+            while True:
+                try:
+                    on_stage(*stages.get_nowait())
+                except queue.Empty:
+                    break
+            for fut in finished:
+                yield from fut.result()
+    stop_fork_server()
+    forget()
+
+
+def stop_fork_server() -> None:
+    """End the fork server with the tracing: left to notice this process's exit, it would shut
+    its interpreter down (torch loaded) for about a second after titan-build returned. A later
+    build in this process starts a new one."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)  # nothing in it to flush: its children have all exited
+    server._stop()
+
+
+def trace_tasks(todo: dict[int, tuple[int | None, ...]], jobs: int) -> list[tuple[int, tuple[int | None, ...]]]:
+    """The (rank, depths) tasks for the ranks and depths to trace, longest first. With fewer
+    workers than ranks, each depth is its own task, so that the workers finish together (a task
+    costs about its depth in layers); otherwise a rank's depths share one process, which traces
+    the later ones faster."""
+    if len(todo) <= jobs:
+        tasks = [(r, depths) for r, depths in todo.items()]
+        return sorted(tasks, key=lambda t: -sum(d or 0 for d in t[1]))
+    tasks = [(r, (d,)) for r, depths in todo.items() for d in depths]
+    return sorted(tasks, key=lambda t: -(t[1][0] or 0))
+
+
+def stop_workers() -> None:
+    """Stop every descendant but multiprocessing's resource tracker (it outlives this process to
+    unlink the pool's semaphores): the fork server and the trace processes it forked, until two
+    looks find none (the pool's thread may be starting one right now, and a worker is a child
+    before multiprocessing lists it: it would then find its start data missing and print a
+    traceback)."""
+    quiet = 0
+    for _ in range(40):
+        workers = [pid for pid in interrupt.descendant_pids()
+                   if b"resource_tracker" not in interrupt.command_line(pid)]
+        if workers:
+            interrupt.stop_processes(workers)
+            quiet = 0
+        else:
+            quiet += 1
+            if quiet == 2:
+                return
+            time.sleep(0.05)

@@ -1,0 +1,27 @@
+"""Imported once by the fork server that every trace process is forked from (builder/trace/pool.py):
+torch, the tracer and the modules a trace would otherwise import lazily on its first graph
+(inductor's lowerings and decompositions, which the partitioner reaches), so that no trace
+process pays for them again. Imports only: no process group and no DTensor state is made here
+(one fresh process per rank, builder/trace/rank_trace.py says why).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+# Traces run on fake tensors and never need a GPU; hiding the host's GPUs here (and so from
+# every trace process forked from here) keeps an import from initializing CUDA in this process,
+# which forked children could then not use, and makes a build the same on any host.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import titan.builder.trace.rank_trace  # noqa: E402, F401
+
+# Best effort: a torch without one of these only loses the head start.
+_WARM = ("torch._inductor.lowering", "torch._inductor.decomposition", "torch._functorch.compilers",
+         "torch._inductor.fx_passes.joint_graph")
+for _name in _WARM:
+    try:
+        importlib.import_module(_name)
+    except ImportError:
+        pass

@@ -1,0 +1,216 @@
+"""Trace one rank: fake process group + fake tensors -> joint graph -> partition -> blobs.
+
+Each rank is traced in a fresh process (see build.py): re-initializing the fake process group
+in one process leaves DTensor sharding-propagation caches keyed on a mesh whose equality
+ignores the rank, which silently bakes rank 0's coordinates into later ranks' graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from titan.builder.passes.checkpointing import tag_activation_checkpointing
+from titan.builder.models.spec import RankPlace
+from titan.builder.trace.parallelize import parallelize
+from titan.builder.passes.registry import PASSES, PassContext
+from titan.builder.trace.rank_job import RankJob, RankResult
+from titan.builder.trace.rank_progress import report
+from titan.runtime.contract.graph_encode import encode_graph
+from titan.runtime.contract.layout import mesh_dims_by_group
+from titan.runtime.contract.rank_record import BufferSpec, GraphInput, RankRecord
+
+PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
+
+
+def _desc_input(desc) -> GraphInput:
+    """Describe a joint-graph placeholder from its AOT descriptor (kind "tangent": the
+    backward's, which the partitioner leaves out of the forward's inputs)."""
+    name = type(desc).__name__
+    if name == "ParamAOTInput":
+        return GraphInput(kind="param", fqn=desc.target)
+    if name == "BufferAOTInput":
+        return GraphInput(kind="buffer", fqn=desc.target)
+    if name == "PlainAOTInput":
+        return GraphInput(kind=("tokens", "labels")[desc.idx])
+    if name == "TangentAOTInput":
+        return GraphInput(kind="tangent")
+    raise ValueError(f"unexpected graph input {desc}")
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy (nodes and meta dicts copied, tensors in meta shared): deepcopy
+    would clone fake tensors, which fails while the export's fake mode is active."""
+    graph = fx.Graph()
+    out_val = graph.graph_copy(gm.graph, {})
+    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph.output(out_val).meta.update(old_output.meta)
+    return fx.GraphModule(gm, graph)
+
+
+@contextlib.contextmanager
+def module_provenance(model: torch.nn.Module):
+    """Record on every traced node (meta['custom']['module']) the module that produced it.
+
+    Hooks are prepended so that a parallel style's input redistribution (its own pre-hook) is
+    attributed to the module it serves. Backward nodes inherit their forward node's record.
+    """
+    open_annotations: list = []
+
+    def enter(_mod, _args, _path):
+        cm = fx_traceback.annotate({"module": _path})
+        cm.__enter__()
+        open_annotations.append(cm)
+
+    def leave(_mod, _args, _out):
+        open_annotations.pop().__exit__(None, None, None)
+
+    handles = []
+    for path, mod in model.named_modules():
+        if path:
+            handles.append(mod.register_forward_pre_hook(lambda m, a, _p=path: enter(m, a, _p), prepend=True))
+            handles.append(mod.register_forward_hook(leave))
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def trace_rank(job: RankJob) -> list[RankResult]:
+    """Trace `job.rank` at each of `job.depths`: one process group and one mesh for all of them
+    (one rank, so DTensor's caches stay right; see the module docstring). A second mesh would
+    create new process groups, while DTensor's sharding cache, which compares meshes without
+    their group names, hands the traces the first mesh's collectives."""
+    layout = job.build.layout
+    report(job.rank, "tracing")
+    if layout.world_size > 1:
+        dist.init_process_group("fake", store=FakeStore(), rank=job.rank, world_size=layout.world_size)
+    try:
+        mesh = layout.build_mesh("cpu")
+        return [_trace_depth(job, mesh, depth) for depth in job.depths]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
+    build, rank = job.build, job.rank
+    layout = build.layout
+    t0 = time.perf_counter()
+    coords = layout.coordinates(rank)
+    family = build.model_spec
+    cfg = build.cfg if depth is None else replace(build.cfg, n_layers=depth)
+    with torch.device("meta"):
+        model = family.build(cfg)
+    model.loss_scale = float(build.batch_size * build.seq_len * layout.dp_degree)
+    shards = parallelize(model, layout, mesh, coords, tp_plan=family.tp_plan, expert_param=family.expert_param,
+                         compute_dtype=getattr(torch, build.dtype))
+    model_plan = family.place_rank(model, RankPlace(layout=layout, mesh=mesh, batch_size=build.batch_size,
+                                                    seq_len=build.seq_len))
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        model.to_empty(device="cpu")
+        tokens = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
+        labels = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(module_provenance(model))
+        # Graph modules generate their Python code when it is first needed, not at each change
+        # (the partitioner and the passes make ~16 per trace; nothing here runs them): ~10% of a trace.
+        stack.enter_context(_use_lazy_graph_module(True))
+        joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels))
+        t_export = time.perf_counter()
+        report(rank, "partitioning")
+        gm = joint.graph_module
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
+        mutated = mutated_buffers(gm)
+        # The partitioners rewrite the joint graph in place: give them a copy.
+        joint_copy = copy_graph_module(gm)
+        tag_activation_checkpointing(joint_copy, build.ac, ac_block=family.ac_block)
+        # The forward returns the buffers' new values first, then the loss.
+        fw, bw = PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=len(mutated) + 1)
+        t_partition = time.perf_counter()
+        groups = mesh_dims_by_group(mesh)
+        param_names = [inp.fqn for inp in joint_inputs if inp.kind != "tangent"]
+        fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=param_names,
+                             output_names=[])
+        bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[],
+                             output_names=param_names)
+        for name in build.graph_passes:
+            fw, bw = PASSES[name].fn(fw, ctx=fw_ctx), PASSES[name].fn(bw, ctx=bw_ctx)
+        t_passes = time.perf_counter()
+    # Encode after the export context (and its fake mode) has closed: constants are real.
+    report(rank, "writing")
+    fw_blob = encode_graph(fw, group_names=groups)
+    bw_blob = encode_graph(bw, group_names=groups)
+    meta = _rank_meta(job, family.init_specs(cfg), coords, shards, joint_inputs, fw, bw,
+                      mutated=mutated, buffer_metric=family.buffer_metric)
+    meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan), model_plan=model_plan)
+    t_end = time.perf_counter()
+    return RankResult(rank=rank, depth=depth, forward=fw_blob, backward=bw_blob, meta=meta,
+                      timings={"export_s": t_export - t0, "partition_s": t_partition - t_export,
+                               "passes_s": t_passes - t_partition, "encode_s": t_end - t_passes})
+
+
+def mutated_buffers(gm: fx.GraphModule) -> list[str]:
+    """The buffers the forward updates in place, in the order the exported graph returns their
+    new values (before the loss): a runtime copies them back after the step."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").meta["desc"]
+    mutated = []
+    for desc in outputs:
+        if type(desc).__name__ != "InputMutationAOTOutput":
+            continue
+        inp = desc.mutated_input
+        if type(inp).__name__ != "BufferAOTInput":
+            raise ValueError(f"the model's forward updates {inp} in place; only buffers may be (parameters "
+                             "change in the optimizer step)")
+        mutated.append(inp.target)
+    return mutated
+
+
+def _nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 0
+
+
+def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint_inputs: list[GraphInput],
+               fw: fx.GraphModule, bw: fx.GraphModule, *, mutated: list[str], buffer_metric) -> RankRecord:
+    by_fqn = {s.fqn: s for s in shards}
+    fw_inputs = [inp for inp in joint_inputs if inp.kind != "tangent"]
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(fw_inputs), (len(placeholders), len(fw_inputs))
+    fw_outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0][len(mutated):]
+    n_saved = len(fw_outputs) - 1
+    bw_in = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    assert len(bw_in) == n_saved + 1 and bw_in[-1].name.startswith("tangents"), [n.name for n in bw_in[-3:]]
+    bw_outputs = next(n for n in bw.graph.nodes if n.op == "output").args[0]
+    assert len(bw_outputs) == len(fw_inputs)
+    params = tuple(by_fqn[inp.fqn].spec(specs[inp.fqn]) for inp in fw_inputs if inp.kind == "param")
+    # Buffers are state: zeros at the start, checkpointed, updated after each step from the
+    # forward's first outputs (one per name in mutated_buffers).
+    buffers = tuple(BufferSpec(fqn=inp.fqn, shape=tuple(node.meta["val"].shape),
+                               dtype=str(node.meta["val"].dtype).removeprefix("torch."), metric=buffer_metric(inp.fqn))
+                    for node, inp in zip(placeholders, fw_inputs) if inp.kind == "buffer")
+    assert set(mutated) <= {b.fqn for b in buffers}, mutated
+    grads = tuple(inp.fqn if inp.kind == "param" else None for inp in fw_inputs)
+    for fqn, out in zip(grads, bw_outputs):
+        assert (fqn is None) == (out is None), f"gradient presence mismatch for {fqn}"
+    # Every data- and tensor-parallel reduction is inside the backward graph (grad_reductions_owed {}).
+    return RankRecord(rank=job.rank, coords=coords, params=params, forward_inputs=tuple(fw_inputs),
+                      static_input_indices=tuple(i for i, inp in enumerate(fw_inputs) if inp.kind in ("param", "buffer")),
+                      saved_activations=n_saved, saved_bytes=sum(_nbytes(v.meta.get("val")) for v in fw_outputs[1:]),
+                      backward_outputs=grads, buffers=buffers, mutated_buffers=tuple(mutated))

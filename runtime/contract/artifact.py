@@ -1,0 +1,117 @@
+"""The artifact on disk (spec: artifacts/README.md) and its verified loading."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from titan.runtime.common.environment import installed_torch_version, torch_release
+from titan.runtime.contract.checks import ArtifactError
+from titan.runtime.contract.layout import Layout
+from titan.runtime.contract.manifest import MANIFEST, Manifest, ProgramFiles
+from titan.runtime.contract.rank_record import RankRecord, bind_program
+from titan.runtime.common.safe_files import MAX_JSON_BYTES, UnsafeFile, loads_json, read_regular
+
+MAX_FILE_BYTES = 1 << 30
+"""Largest artifact file read (an 8B graph is ~2 MB; a 405B one a few times that)."""
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    root: Path
+    manifest: Manifest
+    _records: dict = field(default_factory=dict, compare=False, repr=False)
+    """rank -> its record, read, hash-checked and bound once (a rank asks for it more than once)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest.world_size
+
+    @property
+    def layout(self) -> Layout:
+        return self.manifest.layout
+
+    def read_verified(self, rel: str, *, max_size: int = MAX_FILE_BYTES) -> bytes:
+        """Read a listed file (a regular file, reached through no link inside the artifact),
+        hashing it as it is read and checking the sha256 the manifest gives it."""
+        expected = self.manifest.files.get(rel) if isinstance(rel, str) else None
+        if expected is None:
+            raise ArtifactError(f"{self.root}: {rel} is not listed in the manifest; rebuild with titan-build")
+        try:
+            return read_regular(self.root, rel, max_size=max_size, what=f"{self.root}: {rel}", sha256=expected)
+        except UnsafeFile as e:
+            raise ArtifactError(f"{e}; rebuild with titan-build") from None
+
+    def kernel(self, key: str) -> bytes | None:
+        """The compiled region the artifact carries under `key` (titan-build --kernels), verified
+        against the manifest; None if it carries none."""
+        rel = self.manifest.kernels.get(key)
+        return None if rel is None else self.read_verified(rel)
+
+    def verify_all(self) -> None:
+        for rel in self.manifest.files:
+            self.read_verified(rel)
+
+    def rank_coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate on each mesh dimension (of size > 1), from its rank and the
+        layout alone: what its program's bindings are bound from."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ArtifactError(f"rank {rank} is outside this artifact's world size {self.world_size}")
+        coords = self.layout.coordinates(rank)
+        return {name: coords[name] for name, _ in self.layout.mesh_shape()}
+
+    def rank_entry(self, rank: int) -> ProgramFiles:
+        """The files of the program this rank runs."""
+        self.rank_coordinates(rank)  # in range
+        return self.manifest.program_of(rank)
+
+    def graph_hash(self, rank: int, kind: str) -> str:
+        """The sha256 of the `kind` ("forward" or "backward") graph this rank runs."""
+        return self.manifest.files[getattr(self.rank_entry(rank), kind)]
+
+    def program_json(self, rank: int):
+        """The metadata of the program this rank runs, as stored (slices named by mesh dimension)."""
+        rel = self.rank_entry(rank).meta
+        try:
+            return loads_json(self.read_verified(rel, max_size=MAX_JSON_BYTES), f"{self.root}: program metadata {rel}")
+        except UnsafeFile as e:
+            raise ArtifactError(f"{e}; rebuild with titan-build") from None
+
+    def rank_record(self, rank: int) -> RankRecord:
+        """The program's metadata bound to this rank and checked (once per rank)."""
+        if rank not in self._records:
+            self._records[rank] = bind_program(
+                self.program_json(rank), rank=rank, layout=self.layout, where=f"{self.root} rank {rank}",
+                what=f"{self.root}: program metadata {self.rank_entry(rank).meta}")
+        return self._records[rank]
+
+
+def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:
+    root = Path(path)
+    mpath = root / MANIFEST
+    try:
+        if not root.is_dir() or not os.path.lexists(mpath):
+            raise ArtifactError(f"{root} is not a titan artifact (no {MANIFEST}); build one with titan-build")
+        manifest = loads_json(read_regular(root, MANIFEST, max_size=MAX_JSON_BYTES, what=str(mpath)), str(mpath))
+    except UnsafeFile as e:
+        raise ArtifactError(f"{e}; rebuild with titan-build") from None
+    except OSError as e:  # e.g. a path component that cannot be searched
+        raise ArtifactError(f"{root} cannot be read ({e.strerror or e}); give the path of an artifact directory") from None
+    manifest = Manifest.from_json(manifest, root)
+    if check_torch:
+        built, here = torch_release(manifest.torch_version), torch_release(installed_torch_version())
+        if built != here:
+            raise ArtifactError(f"{root} was built with torch {built} but this is torch {here}; "
+                                f"rebuild it here with titan-build (graphs are not portable across torch versions)")
+    return Artifact(root=root, manifest=manifest)

@@ -1,0 +1,387 @@
+"""Generated kernels for the fusion regions of an artifact.
+
+A region is a run of consecutive nodes tagged "<kind>#<n>" by the builder. Each is cut out as
+its own small graph, compiled by inductor for this device (torch._inductor is imported only
+here, and only for artifacts with regions), and called in its place. Identical regions (every
+transformer block has the same ones) compile once. Regions of kind "exact" (the default
+fuse_exact pass) are compiled under the exact settings below, and only on GPUs: elsewhere
+their ops simply run on eager kernels, which is what they reproduce. The other kinds come from
+titan-build --fuse and change numerics in the last bits.
+
+Compiled regions are code, so they are reached only through digests: from the artifact (its
+`kernels` map, each file checked against the manifest's sha256; titan-build --kernels puts
+them there), else from the kernel store through a record authenticated with the user's key
+(runtime/store/kernel_store.py), else compiled here and stored. A kernel's key is what shapes its
+code: the region's graph and input layouts, the compile settings, the GPU architecture (name
+and compute capability, never the device index) and the torch and triton versions. Generated
+CUDA code names the device it was compiled for, so kernels are compiled, stored and loaded on
+cuda:0: titan-run starts each local rank seeing only its own GPU (as torchrun's
+--virtual-local-rank does); a rank on another index compiles its regions for itself and shares
+nothing. Ranks of a host compile a key under its lock: one compiles, the others load.
+
+On GPUs a compiled region is stored as a kernel plan where it can be (runtime/kernels/kernel_plan.py):
+its cubins and launches as data, run through torch's static CUDA launcher. A run whose regions
+all come as plans never imports inductor, which is most of a warm start's time otherwise.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import importlib.metadata
+import json
+import operator
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from titan.runtime.store.kernel_store import KernelStore
+
+# Inductor settings under which a fused element-wise kernel rounds as eager's kernels do: each
+# low-precision intermediate rounded where eager stores it, no a*b+c contracted into an FMA, IEEE
+# division, CUDA's libdevice, no flush of denormals. Only the settings this torch has are used;
+# which ops are then bit-exact is measured (benchmarks/exact_ops.py), not assumed.
+_EXACT_SETTINGS = {
+    "emulate_precision_casts": True,
+    "use_fast_math": False,
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.use_pytorch_libdevice": True,
+    "eager_numerics.disable_ftz": True,
+}
+
+
+def exact_config() -> dict[str, bool]:
+    """The exact settings that this torch's inductor has."""
+    import torch._inductor.config as ic
+
+    missing = object()
+    out = {}
+    for key, value in _EXACT_SETTINGS.items():
+        obj = ic
+        for part in key.split("."):
+            obj = getattr(obj, part, missing)
+        if obj is not missing:
+            out[key] = value
+    return out
+
+
+EXACT = "exact"
+
+
+def _kind(tag: str) -> str:
+    return tag.split("#")[0]
+
+
+def compiled_here(kind: str, device: torch.device) -> bool:
+    """Exact regions are compiled on GPUs only (elsewhere eager's kernels are what they
+    reproduce); --fuse regions on every device (C++ kernels on the CPU)."""
+    return kind != EXACT or device.type == "cuda"
+
+
+def has_regions(gm: fx.GraphModule, device: torch.device) -> bool:
+    return any((tag := n.meta.get("titan_region")) and compiled_here(_kind(tag), device) for n in gm.graph.nodes)
+
+
+class KernelSources:
+    """Where compiled regions come from, in order: the artifact (digests in its manifest), the
+    kernel store (authenticated records), compiling here. `recorded` collects every kernel key
+    used and its sha256 (titan-build --kernels writes them into the build's cache entry)."""
+
+    def __init__(self, *, device: torch.device, artifact_kernel: Callable[[str], bytes | None] | None = None,
+                 store: KernelStore | None = None):
+        self.artifact_kernel = artifact_kernel or (lambda key: None)
+        # Generated CUDA code is bound to the device index it was compiled for: only cuda:0's
+        # kernels are shared (see the module docstring).
+        self.shareable = device.type != "cuda" or device.index in (None, 0)
+        self._store = store
+        self.recorded: dict[str, str] = {}
+
+    @property
+    def store(self) -> KernelStore:
+        if self._store is None:
+            self._store = KernelStore()
+        return self._store
+
+
+def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule, device: torch.device, *,
+                            artifact=None, sources: KernelSources | None = None) -> FusionStats | None:
+    """Compile the regions of both graphs in place (identical regions once); None when there
+    are none to compile here (then nothing of inductor is imported). Kernels the `artifact`
+    carries are used first."""
+    if not (has_regions(forward, device) or has_regions(backward, device)):
+        return None
+    if sources is None:
+        sources = KernelSources(device=device, artifact_kernel=artifact.kernel if artifact is not None else None)
+    stats, memo = FusionStats(), {}
+    for gm in (forward, backward):
+        compile_regions(gm, device=device, sources=sources, stats=stats, memo=memo)
+    return stats
+
+
+@dataclass
+class FusionStats:
+    regions: int = 0
+    compiled: int = 0
+    loaded: int = 0
+    from_artifact: int = 0
+    reused: int = 0
+    unstored: int = 0
+    planned: int = 0
+    """Regions compiled or loaded as kernel plans (launched without inductor)."""
+    seconds: float = 0.0
+    kinds: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        return (f"fusion: {self.regions} regions ({kinds}): {self.compiled} compiled, {self.loaded} loaded from the "
+                f"kernel store, {self.from_artifact} from the artifact, {self.reused} shared, in {self.seconds:.1f} s"
+                + (f" ({self.unstored} not stored)" if self.unstored else "")
+                + (f"; {self.planned} as kernel plans" if self.planned else "")
+                + ("" if "torch._inductor" in sys.modules else "; inductor not loaded"))
+
+
+def device_tag(device: torch.device) -> str:
+    """The kind of device code is generated for: GPU name and compute capability (never the
+    index: kernels are shared by every GPU of a kind), or the CPU's vector instruction set."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+    if device.type == "cpu":
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        return f"cpu {pick_vec_isa()}"
+    return device.type
+
+
+def kernel_key(sub: fx.GraphModule, layouts: list[dict], settings: dict, context: dict) -> str:
+    return hashlib.sha256(json.dumps([sub.code, layouts, context, settings], sort_keys=True).encode()).hexdigest()[:32]
+
+
+_PRIVATE_DIR: Path | None = None
+
+
+def _private_dir() -> Path:
+    """A directory only this process uses, for handing verified kernel bytes to inductor (which
+    loads from a path) and for inductor's own cache: nothing another user wrote is loaded."""
+    global _PRIVATE_DIR
+    if _PRIVATE_DIR is None:
+        _PRIVATE_DIR = Path(tempfile.mkdtemp(prefix="titan-kernels-"))
+        atexit.register(shutil.rmtree, _PRIVATE_DIR, ignore_errors=True)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_PRIVATE_DIR / "inductor"))
+    return _PRIVATE_DIR
+
+
+def serialize_kernel(compiled) -> bytes | None:
+    """Inductor's compiled artifact as bytes, or None when inductor produced nothing it can save."""
+    path = Path(tempfile.mkdtemp(dir=_private_dir())) / "kernel.bin"
+    try:
+        compiled.save(path=str(path), format="binary")
+        return path.read_bytes()
+    except RuntimeError:
+        return None
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def deserialize_kernel(data: bytes):
+    """A compiled region from bytes whose digest the caller verified (inductor's format unpickles:
+    it must never see bytes that were not reached through a manifest or an authenticated record)."""
+    from torch._inductor import CompiledArtifact
+
+    path = Path(tempfile.mkdtemp(dir=_private_dir())) / "kernel.bin"
+    try:
+        path.write_bytes(data)
+        return CompiledArtifact.load(path=str(path), format="binary")
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _versions() -> dict[str, str]:
+    out = {"torch": torch.__version__}
+    try:
+        out["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        out["triton"] = "none"
+    return out
+
+
+def _runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    runs: list[list[fx.Node]] = []
+    previous = None
+    for n in gm.graph.nodes:
+        tag = n.meta.get("titan_region")
+        if tag is not None and tag == previous:
+            runs[-1].append(n)
+        elif tag is not None:
+            runs.append([n])
+        previous = tag
+    return runs
+
+
+def _boundary(run: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The run's outside inputs and its outputs (members used outside), in graph order."""
+    members = set(run)
+    inputs: list[fx.Node] = []
+    for n in run:
+        for a in n.all_input_nodes:
+            if a not in members and a not in inputs:
+                inputs.append(a)
+    return inputs, [n for n in run if any(u not in members for u in n.users)]
+
+
+def _signature(run: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> str:
+    """What the run computes, by position: equal for identical regions (every block's)."""
+    names = {a: f"in{i}" for i, a in enumerate(inputs)} | {n: f"n{i}" for i, n in enumerate(run)}
+    ops = [(str(n.target), fx.node.map_arg(n.args, names.__getitem__), fx.node.map_arg(n.kwargs, names.__getitem__))
+           for n in run]
+    return repr((ops, [names[o] for o in outputs], [_input_layout(a) for a in inputs]))
+
+
+def _extract(run: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
+    """The run as a graph with canonical names."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, a in enumerate(inputs):
+        env[a] = graph.placeholder(f"in{i}")
+    for i, n in enumerate(run):
+        env[n] = graph.create_node("call_function", n.target, fx.node.map_arg(n.args, env.__getitem__),
+                                   fx.node.map_arg(n.kwargs, env.__getitem__), name=f"n{i}")
+    graph.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _input_layout(node: fx.Node) -> dict:
+    val = node.meta.get("titan_val")
+    assert isinstance(val, dict) and "shape" in val, f"region input {node} is not a tensor"
+    return val
+
+
+def _example(val: dict, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(val["shape"], val["stride"], dtype=getattr(torch, val["dtype"]), device=device)
+
+
+def _region_call(compiled, name: str):
+    def call(*args):
+        return compiled(*args)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device):
+    """(the compiled region, its kernel plan's bytes or None: runtime/kernels/kernel_plan.py)."""
+    from torch._inductor import standalone_compile
+
+    import torch._inductor.config as inductor_config
+
+    from titan.runtime.kernels.kernel_plan import encode_plan
+    from titan.runtime.kernels.plan_recorder import record_plan, recording
+
+    settings = exact_config() if kind == EXACT else {}
+    # Plans are recorded from the static launcher's calls: use it wherever inductor can.
+    settings |= {name: True for name in ("use_static_cuda_launcher", "use_static_triton_launcher")
+                 if hasattr(inductor_config, name)}
+    examples = [_example(v, device) for v in layouts]
+    with recording() as recorder, inductor_config.patch(settings):
+        compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
+        plan = record_plan(compiled, layouts, device, recorder) if recorder is not None and device.type == "cuda" else None
+    return compiled, (encode_plan(plan) if plan is not None else None)
+
+
+def _load(data: bytes, device: torch.device, stats: FusionStats):
+    """A compiled region from verified bytes: a kernel plan (no inductor), else inductor's artifact."""
+    from titan.runtime.kernels.kernel_plan import PlannedRegion, decode_plan, is_plan
+
+    if is_plan(data):
+        stats.planned += 1
+        try:
+            return PlannedRegion(decode_plan(data), device)
+        except ValueError as e:
+            raise ValueError(f"a stored kernel plan is malformed ({e}); remove the kernel store (titan-cache) or "
+                             "rebuild the artifact's kernels with titan-build --kernels") from None
+    return deserialize_kernel(data)
+
+
+def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device,
+            sources: KernelSources, stats: FusionStats):
+    """The region's compiled kernels: from the artifact, the store, or compiled (once per host:
+    under the key's lock, the first rank compiles and the others then load)."""
+    data = sources.artifact_kernel(key)
+    if data is not None:
+        stats.from_artifact += 1
+        sources.recorded[key] = hashlib.sha256(data).hexdigest()
+        return _load(data, device, stats)
+    if not sources.shareable:
+        stats.compiled += 1
+        stats.unstored += 1
+        return _compile(sub, layouts, kind, device)[0]
+    store = sources.store
+    found = store.load(key)
+    if found is None:
+        with store.lock(key) as lock:
+            lock.acquire(blocking=True)
+            found = store.load(key)  # compiled by another rank while this one waited
+            if found is None:
+                compiled, data = _compile(sub, layouts, kind, device)
+                stats.compiled += 1
+                if data is not None:
+                    stats.planned += 1
+                else:
+                    data = serialize_kernel(compiled)
+                if data is None:
+                    stats.unstored += 1  # compiled again by each run
+                else:
+                    sources.recorded[key] = store.save(key, data, device=device_tag(device))
+                return compiled
+    data, sha = found
+    stats.loaded += 1
+    sources.recorded[key] = sha
+    return _load(data, device, stats)
+
+
+def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: KernelSources,
+                    stats: FusionStats, memo: dict) -> fx.GraphModule:
+    """Replace every region of `gm` with a call of its compiled kernels."""
+    t0 = time.perf_counter()
+    context = {"device": device_tag(device), **_versions()}
+    for run in _runs(gm):
+        kind = _kind(run[0].meta["titan_region"])
+        if not compiled_here(kind, device):
+            continue
+        # The settings asked for, not the subset this inductor has: reading that would import
+        # inductor, which a run whose kernels are all plans never does (the torch version in
+        # the key fixes the subset).
+        settings = _EXACT_SETTINGS if kind == EXACT else {}
+        inputs, outputs = _boundary(run)
+        # Identical regions are recognized by signature, before any graph is built for them.
+        signature = (kind, _signature(run, inputs, outputs))
+        compiled = memo.get(signature)
+        if compiled is not None:
+            stats.reused += 1
+        else:
+            sub = _extract(run, inputs, outputs)
+            layouts = [_input_layout(a) for a in inputs]
+            compiled = _kernel(kernel_key(sub, layouts, settings, context), sub, layouts, kind, device,
+                               sources, stats)
+            memo[signature] = compiled
+        stats.regions += 1
+        stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
+        graph = gm.graph
+        with graph.inserting_before(run[0]):
+            call = graph.call_function(_region_call(compiled, f"{kind}_region"), tuple(inputs))
+            results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+        for old, new in zip(outputs, results):
+            new.meta["titan_val"] = old.meta.get("titan_val")
+            old.replace_all_uses_with(new)
+        for n in reversed(run):
+            graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    stats.seconds += time.perf_counter() - t0
+    return gm
