@@ -1,6 +1,6 @@
-"""Make the CPU walkthrough's inputs (README, "From a Hugging Face checkpoint and text to a
-training run"): a BPE tokenizer with the debug flavor's 2,048-token vocabulary, trained on this
-repository's text, and a randomly initialized Hugging Face Llama with the debug flavor's shape.
+"""Make the CPU walkthrough's inputs (docs/walkthrough.md): a BPE tokenizer with the debug
+flavor's 2,048-token vocabulary, trained on this repository's text, and a randomly initialized
+Hugging Face Llama with the debug flavor's shape.
 
     python docs/walkthrough_prep.py        # writes tokenizer.json and hf-debug/ here
 Needs the `data` extra and transformers (both in the `test` extra).

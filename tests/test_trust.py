@@ -1,4 +1,4 @@
-"""The trust model (README, "Safety") against an attacker who can write the shared cache: every
+"""The trust model (docs/trust.md) against an attacker who can write the shared cache: every
 plant is refused or ignored (rebuilt, recompiled), no canary file is created, nothing outside
 the cache is touched, and `titan-cache verify` reports the tampering."""
 

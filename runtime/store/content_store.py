@@ -8,7 +8,7 @@ compiled kernels (runtime/store/kernel_store.py) are each one of these. Torch-fr
     <root>/locks/<name>.lock       flock()ed while one process produces <name>
     <root>/tmp/                    files being written, renamed into place when complete
 
-Trust (README, "Safety"): a blob is only ever reached through its digest, and a digest only
+Trust (docs/trust.md): a blob is only ever reached through its digest, and a digest only
 from an authenticated record (or an artifact's manifest), so whoever can write the directory
 can delete or spoil entries (a rebuild follows) but cannot make titan serve bytes the user's
 own titan did not record. Records carry an HMAC-SHA256 with a per-user key kept outside the

@@ -65,7 +65,7 @@ SPEC = ModelSpec(
     place_rank=lazy("titan.builder.models.deepseek_v3.expert_parallel:place_rank"),
     buffer_metric=buffer_metric,
     leading_layers=lambda cfg: cfg.n_dense_layers,
-    # Measured on an H100 (benchmarks/gpu_deepseek.sh, --deterministic): with fuse_exact's regions
+    # Measured on an H100 (benchmarks/gpu/gpu_deepseek.sh, --deterministic): with fuse_exact's regions
     # the parameters left eager's bits after the first step; without them every step is bitwise.
     exact_fusion=False,
     hf_checkpoint=hf_checkpoint,

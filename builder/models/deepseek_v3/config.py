@@ -90,7 +90,7 @@ class DeepSeekV3Config:
 # flavor. `debug` is CPU-sized: 8 experts in 4 groups, 3 chosen from the best 2 groups, so the
 # group-limited routing runs and a token can go to experts on several expert-parallel ranks.
 # `16B-4L` is 16B cut to its first 4 layers (1 dense, 3 MoE): the published widths on one GPU
-# (benchmarks/gpu_deepseek.sh). One row per field, one column per flavor.
+# (benchmarks/gpu/gpu_deepseek.sh). One row per field, one column per flavor.
 _PUBLISHED = """
                           debug      16B     671B   16B-4L
 dim                          64     2048     7168     2048

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU-host run, one call (issue 16): where titan-run's time to first step goes when the artifact
 # carries its kernels, against torch.compile's warm-cache first step in the same run.
-#   bash benchmarks/gpu_startup.sh        (one GPU; FLAVOR / SEQ_LEN override 1B / 2048)
+#   bash benchmarks/gpu/gpu_startup.sh        (one GPU; FLAVOR / SEQ_LEN override 1B / 2048)
 #  1. titan-build --kernels (kernels compiled at build time, shipped in the artifact);
 #  2. one rank under cProfile (torchrun-style environment, so the rank runs in this process):
 #     the slowest start-up calls by cumulative time -> $OUT/startup-profile.txt;

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU-host run, one call: titan against its peers, one table (benchmarks/README.md, "peers").
 #   one GPU (nvidia-h100-x1 or nvidia-h200), Llama-3 1B, seq 8192, batch 1, world size 1:
-#       bash benchmarks/gpu_peers.sh
-#   4 or 8 GPUs, 8B:  FLAVOR=8B LAYOUTS="fsdp4 tp4" bash benchmarks/gpu_peers.sh
-#                     FLAVOR=8B LAYOUTS=dp2tp4 bash benchmarks/gpu_peers.sh      (8 GPUs)
+#       bash benchmarks/gpu/gpu_peers.sh
+#   4 or 8 GPUs, 8B:  FLAVOR=8B LAYOUTS="fsdp4 tp4" bash benchmarks/gpu/gpu_peers.sh
+#                     FLAVOR=8B LAYOUTS=dp2tp4 bash benchmarks/gpu/gpu_peers.sh      (8 GPUs)
 # Needs the peer wheels in .whl/ (here: bash benchmarks/fetch_peer_wheels.sh; the device call
 # carries .whl). Steps:
 #  1. titan itself (editable, no dependencies) unless importable, and the pinned peer wheels

@@ -4,7 +4,7 @@
 # default passes, --fuse, and no CUDA graphs. Artifacts are built first, in the background,
 # into one cache, so that the benchmark's titan-build calls are cache hits.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/titan-gpu}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

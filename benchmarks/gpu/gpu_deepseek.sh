@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DeepSeek-V3 on one GPU (issue 19), world size 1, no expert parallelism, bf16:
-#   bash benchmarks/gpu_deepseek.sh           (nvidia-h100-x1 or nvidia-h200; no internet needed)
+#   bash benchmarks/gpu/gpu_deepseek.sh           (nvidia-h100-x1 or nvidia-h200; no internet needed)
 # For each of debug and 16B-4L (16B's published widths, first 4 of its 27 layers; SEQ_LEN,
 # default 2048):
 #  1. titan-build on this host (CPU work; $OUT/build-NAME.txt, its memory line in the table);

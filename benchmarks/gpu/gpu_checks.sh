@@ -3,7 +3,7 @@
 # on debug layouts with and without deterministic kernels, and the 8B tp=4 artifact trained for
 # 10 steps on NCCL. Writes logs and metrics under ${OUT:-/tmp/titan-gpu}.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/titan-gpu}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

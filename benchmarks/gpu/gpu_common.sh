@@ -2,7 +2,7 @@
 # directory, $OUT, the NCCL settings these hosts need, one build cache for the whole call,
 # elapsed, flags LAYOUT, build_layouts and wait_for.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/titan-gpu}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

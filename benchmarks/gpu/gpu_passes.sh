@@ -7,7 +7,7 @@
 # The 8B artifacts are built first, in the background, into one build cache, so that the
 # benchmark's own titan-build calls are cache hits. Logs and results go under ${OUT:-/tmp/titan-gpu}.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/titan-gpu}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
