@@ -1,6 +1,7 @@
 """The artifact contract's records (runtime/contract/), written by hand as titan-build writes them:
 each reads back from its JSON exactly what was written, and refuses what titan-build would not
-write with one line that says to rebuild. (The records of real builds: e2e/test_contract.py.)"""
+write with one line that says to rebuild; a program's rank values bind to each rank's
+coordinates. (The records of real builds: e2e/test_contract.py.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import pytest
 
 from conftest import param_spec
+from titan.runtime.contract.bindings import Binding, bind_value
+from titan.runtime.contract.graph_doc import GraphFormatError
 from titan.runtime.contract.hf_record import HFRecord, hf_record
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.manifest import Manifest, ProgramFiles
@@ -200,3 +203,20 @@ def test_the_hugging_face_record_reads_back_and_names_each_tensor():
 def test_a_malformed_hugging_face_record_is_refused(path, value):
     with pytest.raises(ValueError, match="^manifest: malformed hf_checkpoint record; rebuild the artifact with titan-build$"):
         HFRecord.from_json(_edit(_through_json(HF.to_json()), path, value), "manifest")
+
+
+def test_a_binding_is_affine_in_the_rank_coordinates_and_bounded():
+    binding = Binding.from_json({"base": 5, "coef": {"tp": 1000, "dp_shard": -3}}, "node 4")
+    assert binding.value({"tp": 2, "dp_shard": 1}, "node 4") == 5 + 2000 - 3
+    assert bind_value(binding.to_json(), {"tp": 1, "dp_shard": 0, "dp_replicate": 1}, "node 4") == 1005
+    for spec, coords, message in (
+            (binding.to_json(), None, "node 4: the graph binds rank coordinates; load it for a rank"),
+            (binding.to_json(), {"tp": 1}, "node 4: binding on 'dp_shard', which is not a mesh dimension here (tp)"),
+            ({"base": 1}, {"tp": 1}, "node 4: malformed binding {'base': 1}"),
+            ({"base": 1 << 50, "coef": {}}, {}, f"node 4: binding term {1 << 50} is not an integer within bounds"),
+            ({"base": 0, "coef": {"tp": True}}, {"tp": 1}, "node 4: binding term True is not an integer within bounds"),
+            ({"base": 1 << 33, "coef": {"tp": 1 << 33}}, {"tp": 3},
+             f"node 4: binding term {1 << 35} is not an integer within bounds")):
+        with pytest.raises(GraphFormatError) as e:
+            bind_value(spec, coords, "node 4")
+        assert str(e.value) == message
