@@ -43,9 +43,10 @@ def _no_process_starts(nodeid: str):
         raise AssertionError(f"{nodeid} starts a process: unit tests run in process; "
                              "move it to tests/e2e (tests/README.md)")
 
+    # subprocess binds fork_exec at import (Python >= 3.11); multiprocessing calls it through its module.
     starts = [(subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec")]
-    starts += [(os, name) for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system") if hasattr(os, name)]
-    saved = [(module, name, getattr(module, name)) for module, name in starts]
+    starts += [(os, name) for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system")]
+    saved = [(module, name, getattr(module, name)) for module, name in starts if hasattr(module, name)]
     for module, name, _ in saved:
         setattr(module, name, refuse)
     try:
