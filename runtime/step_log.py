@@ -7,7 +7,7 @@ expert_load_mean (tokens per expert) and dropped_tokens (runtime/buffer_state.py
 under the same names, at global step `step`, so they read back exactly.
 
 torch.utils.tensorboard is imported only when --tensorboard is given; it imports neither
-torch._dynamo nor torch._inductor (tests/test_runtime_minimal.py checks it).
+torch._dynamo nor torch._inductor (tests/e2e/test_runtime_minimal.py checks it).
 """
 
 from __future__ import annotations

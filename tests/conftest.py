@@ -1,7 +1,9 @@
-"""Shared fixtures: real CLI processes and real debug artifacts, built once per session."""
+"""Shared fixtures of every tier (tests/README.md): real CLI processes and real debug artifacts,
+built once per session; and the unit tier's one rule, enforced: its tests start no process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -26,6 +28,41 @@ def pytest_collection_modifyitems(config, items):
         mark = item.get_closest_marker("gpu")
         if mark is not None and gpus < mark.kwargs.get("count", 1):
             item.add_marker(pytest.mark.skip(reason=f"needs {mark.kwargs.get('count', 1)} CUDA GPU(s), found {gpus}"))
+
+
+UNIT_TIER = Path(__file__).parent / "unit"
+
+
+@contextlib.contextmanager
+def _no_process_starts(nodeid: str):
+    """Every way Python starts a process (subprocess, multiprocessing, os.fork, os.system) fails
+    while the unit test `nodeid` runs, its fixtures' setup and teardown included."""
+    import _posixsubprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{nodeid} starts a process: unit tests run in process; "
+                             "move it to tests/e2e (tests/README.md)")
+
+    # subprocess binds fork_exec at import (Python >= 3.11); multiprocessing calls it through its module.
+    starts = [(subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec")]
+    starts += [(os, name) for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system")]
+    saved = [(module, name, getattr(module, name)) for module, name in starts if hasattr(module, name)]
+    for module, name, _ in saved:
+        setattr(module, name, refuse)
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if UNIT_TIER in item.path.parents:
+        with _no_process_starts(item.nodeid):
+            yield
+    else:
+        yield
 
 
 def titan(command: str, *args, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -23,6 +23,6 @@ for l in $VERIFY; do
   echo "== verify 8B $l: $(grep -m1 '^fusion:' "$OUT/verify-8b-$l.txt") | $(tail -n 2 "$OUT/verify-8b-$l.txt" | tr '\n' ' ') [$(elapsed) s]"
 done
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 300 python3 -m pytest -q tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu-tests.txt" 2>&1
+  timeout 300 python3 -m pytest -q tests/gpu/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu-tests.txt" 2>&1
   echo "== GPU tests: $(tail -n 1 "$OUT/gpu-tests.txt") [$(elapsed) s]"
 fi

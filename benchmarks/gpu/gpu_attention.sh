@@ -14,7 +14,7 @@ titan-build --flavor 1B --seq-len 2048 --dtype bf16 --jobs 8 --out artifacts/att
 build1b=$!
 titan-build --flavor debug --dtype bf16 --out artifacts/attn-debug > "$OUT/build-debug.txt" 2>&1
 echo "== built debug: exit $? [$(elapsed) s]"
-timeout 120 python3 -m pytest -q tests/test_gpu.py -k "cudnn_attention or attention_op" > "$OUT/gpu-test.txt" 2>&1
+timeout 120 python3 -m pytest -q tests/gpu/test_gpu.py -k "cudnn_attention or attention_op" > "$OUT/gpu-test.txt" 2>&1
 echo "== GPU attention tests: $(tail -n 1 "$OUT/gpu-test.txt") [$(elapsed) s]"
 grep -E "^(FAILED|E )" "$OUT/gpu-test.txt" | head -20
 timeout 120 python3 benchmarks/attention_kernels.py 2>&1 | tail -n 4

@@ -10,7 +10,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
-python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15
+python3 -m pytest -q -m gpu tests/gpu/test_gpu.py -p no:cacheprovider 2>&1 | tail -15
 note "gpu tests: exit ${PIPESTATUS[0]}"
 
 for layout in "--tp 2" "--dp-shard 2"; do

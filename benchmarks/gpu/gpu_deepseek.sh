@@ -9,7 +9,7 @@
 #     parameter after the last step bitwise ($OUT/verify-NAME.txt / .json);
 #  3. titan-run with CUDA graphs and --metrics: median step time and the last step's expert
 #     load (max / mean tokens per expert, dropped tokens) ($OUT/run-NAME.txt / .jsonl);
-# then the model's GPU tests (tests/test_deepseek_v3.py -m gpu: capture + replay == eager).
+# then the model's GPU tests (tests/gpu/test_deepseek_v3_cuda_graph.py: capture + replay == eager).
 # A short table last.
 source "$(dirname "$0")/gpu_common.sh"
 STEPS=${STEPS:-10}
@@ -58,7 +58,7 @@ EOF
   ROW[$name]="build $built | verify $verified ($equal) | run $ran: $run | $memory"
 done
 
-python3 -m pytest -q -m gpu tests/test_deepseek_v3.py > "$OUT/gpu-tests.txt" 2>&1
+python3 -m pytest -q -m gpu tests/gpu/test_deepseek_v3_cuda_graph.py > "$OUT/gpu-tests.txt" 2>&1
 tests=$(tail -1 "$OUT/gpu-tests.txt")
 echo "done at $(elapsed) s"
 echo
@@ -66,4 +66,4 @@ echo "DeepSeek-V3, one GPU, world size 1, --deterministic, CUDA graphs, $STEPS s
 for name in debug 16B-4L; do
   echo "$name | ${ROW[$name]}"
 done
-echo "GPU tests (tests/test_deepseek_v3.py -m gpu): $tests"
+echo "GPU tests (tests/gpu/test_deepseek_v3_cuda_graph.py): $tests"

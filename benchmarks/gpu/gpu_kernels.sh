@@ -25,5 +25,5 @@ if [ "$n" -ge 2 ]; then
   TITAN_CACHE_DIR=$OUT/cache-dp titan-run artifacts/kern-dp --steps 2 --device cuda > "$OUT/run-dp.txt" 2>&1
   echo "$n ranks, empty store: exit $? $(grep '^fusion:' "$OUT/run-dp.txt"); kernels stored: $(TITAN_CACHE_DIR=$OUT/cache-dp titan-cache ls | grep '^kernels')"
 fi
-python -m pytest -q -m gpu tests/test_gpu.py -k "kernel" 2>&1 | tail -3
+python -m pytest -q -m gpu tests/gpu/test_gpu.py -k "kernel" 2>&1 | tail -3
 echo "done at $(elapsed) s"

@@ -8,7 +8,7 @@ depth 6 (graphs, constants and metadata), every binding at rank 0's value: a mod
 layers do not repeat exactly stops there, and the build traces it at full depth instead.
 
 A 126-layer Llama 3 405B so costs 12 layers of tracing per probe (18 for rank 0) instead of
-126, and the program is the same one a full-depth trace gives (tests/test_deep_program.py
+126, and the program is the same one a full-depth trace gives (tests/e2e/test_deep_program_build.py
 checks it node for node at 7 layers).
 """
 

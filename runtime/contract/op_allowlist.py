@@ -9,7 +9,7 @@ strides or storages, or skip bounds checks by design (`_unsafe_index`, `_unsafe_
 `_unsafe_view` is here: it is `view` without autograd's alias tracking, checks its size as
 `view` does, and AOT autograd emits it for every reshape.
 
-A builder change that emits a new op fails tests/test_graph_format.py until the op is
+A builder change that emits a new op fails tests/e2e/test_op_allowlist.py until the op is
 reviewed and added here (and OPS_VERSION bumped when an artifact could then carry it).
 """
 

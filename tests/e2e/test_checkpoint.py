@@ -1,5 +1,6 @@
 """DCP checkpoints: a resumed run continues with exactly the losses of an uninterrupted one, a
-checkpoint moves between layouts exactly, and bad checkpoints are refused losing nothing."""
+checkpoint moves between layouts exactly, and bad checkpoints are refused losing nothing.
+(Padded shards and their checkpointed rows, in process: unit/test_shards.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import param_spec, read_metrics, titan
+from conftest import read_metrics, titan
 from processes import default_sigint
 
 PROBE_RESHARD = """
@@ -223,45 +224,6 @@ def test_bad_checkpoints_are_refused_and_nothing_is_lost(debug_artifact, tmp_pat
     _run(art, "--steps", 3, "--checkpoint-dir", ckpt, "--resume")
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
     assert {k: v for k, v in _tree_digest(ckpt).items() if k.startswith("step-00000002")} == digest
-
-
-@pytest.mark.parametrize("slices", [[], [[0, 2, 1]], [[1, 2, 0], [0, 2, 1]], [[0, 2, 1], [0, 4, 3]], [[1, 4, 2], [0, 8, 7]],
-                                    [[0, 3, 2]], [[1, 2, 1], [0, 5, 4]], [[0, 48, 31]], [[0, 48, 47]]])
-def test_a_shard_is_the_box_its_slices_describe(slices):
-    """FSDP2's cut: torch.chunk's rows for each part, zero-padded to a full chunk."""
-    from titan.runtime.contract.shard_tensors import shard_of
-    from titan.runtime.contract.shards import shard_box
-
-    full = torch.arange(1, 64 * 32 + 1, dtype=torch.float32).view(64, 32)
-    box = shard_box(slices, [64, 32])
-    expected = full
-    for dim, parts, index in slices:
-        pieces = expected.chunk(parts, dim)
-        expected = pieces[index] if index < len(pieces) else expected.narrow(dim, 0, 0)
-    assert list(box.sizes) == list(expected.shape)
-    assert torch.equal(full[box.offsets[0]:, box.offsets[1]:][:box.sizes[0], :box.sizes[1]], expected)
-    local = shard_of(full, slices)
-    assert list(local.shape) == list(box.local_shape)
-    assert torch.equal(local[:box.sizes[0], :box.sizes[1]], expected)
-    assert local.count_nonzero() == expected.numel(), "padding rows are zero"
-
-
-def test_only_real_rows_of_padded_shards_are_checkpointed():
-    """A padded shard saves and loads its real rows (a view of the live tensor); a trailing
-    part with no real rows has nothing to checkpoint."""
-    from titan.runtime.checkpoint import dcp_state
-    from titan.runtime.train import make_optimizer
-
-    params = [param_spec("a", [64, 32], [[0, 3, 2]]),    # rows 44..63 of a 22-row chunk
-              param_spec("b", [64, 32], [[0, 48, 47]]),  # past the last row: empty
-              param_spec("c", [64, 32], [[0, 2, 1]])]    # even: the whole tensor
-    tensors = [torch.zeros(22, 32), torch.zeros(2, 32), torch.zeros(32, 32)]
-    state, boxes = dcp_state(params, tensors, make_optimizer(tensors, 0.0))
-    assert sorted(state) == sorted(f"{family}.{fqn}" for family in FAMILIES for fqn in "ac")
-    assert boxes["model.a"] == ([44, 0], [20, 32], [64, 32]) and boxes["model.c"] == ([32, 0], [32, 32], [64, 32])
-    state["model.a"].fill_(1.0)  # what a load does to it
-    assert tensors[0][:20].eq(1).all() and tensors[0][20:].eq(0).all()
-    assert state["model.c"] is tensors[2]
 
 
 @pytest.mark.parametrize("args, words", [

@@ -73,20 +73,12 @@ def test_ops_titan_never_emits_are_refused_even_if_safe_looking(target):
         _load(_blob(_mm_graph(target=target)))
 
 
-def test_allow_list_has_no_memory_unsafe_op_and_covers_every_op_titan_builds(debug_artifact):
-    from titan.runtime.contract.artifact import open_artifact
-    from titan.runtime.contract.graph_doc import read_doc
+def test_allow_list_has_no_memory_unsafe_op():
+    # That it covers every op titan builds: e2e/test_op_allowlist.py.
     from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 
     assert not {op for op in ALLOWED_OPS if "_unsafe_" in op} - {"aten._unsafe_view.default"}
     assert not {op for op in ALLOWED_OPS if op.split(".")[1] in ("as_strided", "set_", "from_file", "resize_")}
-    emitted = set()
-    for art in (debug_artifact(), debug_artifact(tp=2)):
-        a = open_artifact(art)
-        for rel in a.manifest.files:
-            if rel.startswith("graphs/"):
-                emitted |= {n["target"] for n in read_doc(a.read_verified(rel))["nodes"] if n["op"] == "call_function"}
-    assert emitted - {"getitem"} <= ALLOWED_OPS, emitted - ALLOWED_OPS
 
 
 def _tagged(region):

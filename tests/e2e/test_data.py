@@ -1,5 +1,5 @@
-"""titan-data: text files -> a token file and sidecar that titan-run trains on; the data
-position is the step."""
+"""titan-data: text files -> a token file and sidecar that titan-run trains on, and what
+titan-run refuses or notes about a token file. (The reader in process: unit/test_token_file.py.)"""
 
 from __future__ import annotations
 
@@ -103,24 +103,6 @@ def test_run_refuses_a_token_file_with_a_larger_vocabulary(tmp_path, debug_artif
                                 "vocabulary")
 
 
-def test_data_position_is_the_step(tmp_path):
-    """Ranks of a data-parallel group read disjoint windows; a reader created at step k (a
-    resumed run) reads what one that started at 0 reads at step k."""
-    from titan.runtime.data import TokenFile
-
-    path = tmp_path / "ids.bin"
-    np.arange(10_000, dtype="<u2").tofile(path)
-    common = dict(dtype="uint16", vocab_size=2**16, batch_size=2, seq_len=16, dp_degree=2)
-    r0, r1 = TokenFile(path, dp_rank=0, **common), TokenFile(path, dp_rank=1, **common)
-    assert r0.windows_at(3) == [12, 13] and r1.windows_at(3) == [14, 15]
-    for _ in range(5):
-        r0.batch(_)
-    resumed = TokenFile(path, dp_rank=0, **common)
-    tokens, labels = resumed.batch(5)
-    assert tokens[0].tolist() == list(range(20 * 16, 21 * 16)) and labels[0, -1].item() == 21 * 16
-    assert all(r0.batch(5)[0].equal(tokens) for _ in range(2))
-
-
 def test_missing_tokenizer_package_names_the_install_command(tmp_path):
     _tokenizer_json(tmp_path / "tokenizer.json")
     (tmp_path / "doc.txt").write_text("text")
@@ -133,21 +115,6 @@ def test_missing_tokenizer_package_names_the_install_command(tmp_path):
     assert r.stderr.strip() == (f"error: --tokenizer {tmp_path / 'tokenizer.json'} is a tokenizer.json, which needs "
                                 "the tokenizers package: pip install -e '.[data]' from a clone (or: pip install tokenizers "
                                 "tiktoken)")
-
-
-def test_sidecar_must_describe_its_token_file(tmp_path):
-    from titan.runtime.data import token_file_dtype
-
-    path = tmp_path / "ids.bin"
-    np.arange(100, dtype="<u2").tofile(path)
-    side = {"format": "titan-tokens", "format_version": 1, "dtype": "uint16", "vocab_size": 100, "tokens": 100}
-    (tmp_path / "ids.bin.json").write_text(json.dumps(side))
-    assert token_file_dtype(path, dtype=None, vocab_size=2048) == "uint16"
-    np.arange(99, dtype="<u2").tofile(path)  # replaced behind the sidecar's back
-    with pytest.raises(ValueError) as e:
-        token_file_dtype(path, dtype=None, vocab_size=2048)
-    assert str(e.value) == (f"--data {path}: its size does not match the 100 uint16 tokens its sidecar "
-                            f"{path}.json records (file replaced or truncated?); rewrite both with titan-data")
 
 
 def test_data_that_is_not_a_usable_token_file_is_one_error_before_any_rank_starts(tmp_path, debug_artifact):

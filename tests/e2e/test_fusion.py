@@ -138,36 +138,3 @@ def test_fusion_passes_are_exclusive_and_last(tmp_path):
     early = titan(*base, "fuse_exact,mask_index_put_to_where")
     assert early.returncode == 2 and "fuse_exact must come last" in early.stderr
     assert not (tmp_path / "x").exists()
-
-
-def test_exact_regions_that_would_need_each_other_are_split_until_they_can_be_ordered():
-    # Two groups, each convex alone, where each needs the other's output through a reduction
-    # (as RMSNorm's recomputed forward and its backward do): run as two units they would
-    # deadlock, so the pass must split one, and the graph must compute the same values.
-    import torch
-    import torch.fx as fx
-
-    from titan.builder.passes.regions import fuse_exact_pass
-
-    aten = torch.ops.aten
-    g = fx.Graph()
-    x, y = g.placeholder("x"), g.placeholder("y")
-    a = g.call_function(aten.mul.Tensor, (x, x))
-    b = g.call_function(aten.mul.Tensor, (a, x))
-    c = g.call_function(aten.sum.dim_IntList, (b, [0], True))
-    d = g.call_function(aten.add.Tensor, (y, y))
-    e = g.call_function(aten.mul.Tensor, (d, c))
-    f = g.call_function(aten.mul.Tensor, (d, y))
-    s = g.call_function(aten.sum.dim_IntList, (f, [0], True))
-    h = g.call_function(aten.mul.Tensor, (a, s))
-    k = g.call_function(aten.add.Tensor, (h, b))
-    g.output((e, k))
-    gm = fx.GraphModule(torch.nn.Module(), g)
-    inputs = (torch.randn(4, 3), torch.randn(4, 3))
-    want = gm(*inputs)
-    fuse_exact_pass(gm, ctx=None)
-    tags = [n.meta.get("titan_region") for n in gm.graph.nodes]
-    runs = [t for i, t in enumerate(tags) if t and (i == 0 or tags[i - 1] != t)]
-    assert runs and len(runs) == len(set(runs))  # every region consecutive: one call each
-    got = gm(*inputs)
-    assert all(torch.equal(u, v) for u, v in zip(got, want))

@@ -324,6 +324,33 @@ def test_fuse_exact_makes_each_region_consecutive():
     assert regions(gm) == ["mul: exact#0", "add: exact#0"]
 
 
+def test_exact_regions_that_would_need_each_other_are_split_until_they_can_be_ordered():
+    # Two groups, each convex alone, where each needs the other's output through a reduction
+    # (as RMSNorm's recomputed forward and its backward do): run as two units they would
+    # deadlock, so the pass must split one, and the graph must compute the same values.
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    a = g.call_function(aten.mul.Tensor, (x, x))
+    b = g.call_function(aten.mul.Tensor, (a, x))
+    c = g.call_function(aten.sum.dim_IntList, (b, [0], True))
+    d = g.call_function(aten.add.Tensor, (y, y))
+    e = g.call_function(aten.mul.Tensor, (d, c))
+    f = g.call_function(aten.mul.Tensor, (d, y))
+    s = g.call_function(aten.sum.dim_IntList, (f, [0], True))
+    h = g.call_function(aten.mul.Tensor, (a, s))
+    k = g.call_function(aten.add.Tensor, (h, b))
+    g.output((e, k))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    inputs = (torch.randn(4, 3), torch.randn(4, 3))
+    want = gm(*inputs)
+    fuse_exact_pass(gm, ctx=None)
+    tags = [n.meta.get("titan_region") for n in gm.graph.nodes]
+    runs = [t for i, t in enumerate(tags) if t and (i == 0 or tags[i - 1] != t)]
+    assert runs and len(runs) == len(set(runs))  # every region consecutive: one call each
+    got = gm(*inputs)
+    assert all(torch.equal(u, v) for u, v in zip(got, want))
+
+
 def _two_blocks() -> fx.GraphModule:
     """RMSNorm -> matmul -> SwiGLU-style product in block 0, then RMSNorm in block 1."""
     g = HandGraph()

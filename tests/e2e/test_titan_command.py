@@ -1,26 +1,12 @@
 """One `titan` command group: `titan NAME ...` is the titan-NAME script, the same command with
-the same arguments, output, errors and exit status."""
+the same arguments, output, errors and exit status. (That every script is a subcommand, in
+process: unit/test_titan_scripts.py.)"""
 
 from __future__ import annotations
 
-import importlib
 import re
-from importlib.metadata import entry_points
 
 from conftest import titan
-from titan.cli.titan import SUBCOMMANDS
-
-# The commands as installed (pyproject.toml's [project.scripts]).
-SCRIPTS = {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.dist.name == "titan-aot"}
-
-
-def test_every_titan_script_is_a_titan_subcommand_of_the_same_command():
-    scripts = {name.removeprefix("titan-"): target for name, target in SCRIPTS.items() if name != "titan"}
-    assert set(scripts) == set(SUBCOMMANDS)
-    for name, target in scripts.items():
-        module, attr = target.split(":")
-        assert SUBCOMMANDS[name] is getattr(importlib.import_module(module), attr), name
-    assert SCRIPTS["titan"] == "titan.cli.titan:main"
 
 
 def test_a_user_error_is_the_same_line_named_by_the_command_typed(tmp_path):

@@ -1,87 +1,25 @@
-"""DeepSeek-V3's step graphs never wait for the host, and a capacity overflow is counted, not
-hidden.
+"""DeepSeek-V3's step graphs as titan-build writes them never wait for the host, and a capacity
+overflow is counted, not hidden (the step traced in process: unit/test_deepseek_v3_step_trace.py).
 
-- The whole expert-parallel step (forward and backward, exported as the builder exports it)
-  holds no op that reads a device value on the host or makes a shape data dependent, and no
-  tensor that lives on the host: traced on the meta device, every value must stay there, so a
-  tensor made on the CPU (a `.cpu()`, a `torch.tensor(list)`, a `.tolist()` round trip) shows.
 - The graphs titan-build writes for ep=2 (every rank's forward and backward, as the runtime
-  reads them) hold none of those ops, only static shapes, and equal-split all-to-alls.
+  reads them) hold no op that reads a device value on the host or makes a shape data
+  dependent, only static shapes, and equal-split all-to-alls.
 - With a capacity factor below the dropless bound, the dropped assignments that every rank
   reports after the step equal a count made by hand from the routing, in the eager step and
-  in the exported graphs.
+  in the exported graphs (real gloo ranks).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
-import torch.distributed as dist
-from torch import fx
 
-from test_deepseek_v3 import BATCH, CFG, SEQ, _batch, _run_ep_ranks, _weights
+from deepseek_debug import ALL_TO_ALL, BATCH, CFG, HOST_SYNC_OPS, SEQ, debug_batch, debug_weights, run_ep_ranks
 from titan.builder.models.deepseek_v3.dispatch import make_plan
-from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch, shard_experts
+from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.builder.models.deepseek_v3.moe import route
-
-# Ops that read a device value on the host, or whose output shape depends on data.
-HOST_SYNC_OPS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.nonzero_static", "aten.masked_select",
-                 "aten.unique", "aten._unique", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive",
-                 "aten.bincount", "aten.histc", "aten._assert_async", "aten._assert_scalar", "aten.repeat_interleave.Tensor",
-                 "aten.equal", "aten.is_nonzero", "aten.tolist", "aten._to_cpu", "aten.allclose"}
-ALL_TO_ALL = "_c10d_functional.all_to_all_single.default"
-
-
-def host_sync_ops(graph: fx.Graph) -> set[str]:
-    """The graph's calls of HOST_SYNC_OPS (by overload packet or full name)."""
-    found = set()
-    for n in graph.nodes:
-        if n.op == "call_function":
-            name = str(n.target)
-            found |= {name, name.rsplit(".", 1)[0]} & HOST_SYNC_OPS
-    return found
-
-
-def test_expert_parallel_step_traces_to_static_shapes_without_host_sync():
-    """The debug model's step at ep=2, traced on the meta device."""
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    meta = torch.device("meta")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        with meta:
-            model = DeepSeekV3(CFG)
-        shard_experts(model, ep=2, ep_rank=0)
-        plan = set_dispatch(model, tokens=2 * SEQ, ep=2, ep_group=dist.group.WORLD,
-                            load_groups=(dist.group.WORLD,))
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device=meta)
-            tokens = torch.empty(2, SEQ, dtype=torch.long, device=meta)
-        with contextlib.ExitStack() as stack:
-            graph = aot_export_joint_with_descriptors(stack, model, (tokens, tokens)).graph_module.graph
-    finally:
-        dist.destroy_process_group()
-    assert not host_sync_ops(graph), host_sync_ops(graph)
-    for n in graph.nodes:
-        val = n.meta.get("val")
-        for v in val if isinstance(val, (list, tuple)) else [val]:
-            if isinstance(v, torch.Tensor):
-                assert v.device == meta, f"{n.format_node()} makes a tensor on {v.device}, not on the step's device"
-                assert all(isinstance(s, int) for s in v.shape), f"{n.name} has a data-dependent shape"
-            else:
-                assert not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)), n.name
-    calls = [n for n in graph.nodes if n.op == "call_function"]
-    a2a = [n for n in calls if str(n.target) == ALL_TO_ALL]
-    # Per MoE layer: tokens out, counts out, results back; their two gradients back.
-    assert len(a2a) == 5 * CFG.n_moe_layers
-    assert all(n.args[1] == n.args[2] and n.args[1] in ([plan.capacity] * 2, [plan.experts_per_rank] * 2)
-               for n in a2a)
-    assert sum(str(n.target) == "titan.grouped_mm.default" for n in calls) == 9 * CFG.n_moe_layers
 
 
 def test_built_graphs_have_no_host_sync_and_static_shapes(debug_artifact):
@@ -138,7 +76,7 @@ def test_capacity_overflow_count_matches_a_hand_count(tmp_path):
     graphs."""
     world, factor = 2, 1.0
     experts_per_rank = CFG.n_routed_experts // world
-    state, batch = _weights(), _batch()
+    state, batch = debug_weights(), debug_batch()
     routing = _first_moe_routing(state, batch)
     tokens = BATCH * SEQ // world
     capacity = math.ceil(factor * tokens * CFG.top_k / world)
@@ -147,7 +85,7 @@ def test_capacity_overflow_count_matches_a_hand_count(tmp_path):
     expected = sum(max(0, n - capacity) for n in blocks)
     assert expected > 0 and min(blocks) < capacity, f"blocks {blocks} of {capacity}: the count would prove little"
     first = f"layers.{CFG.n_dense_layers}.feed_forward"
-    ranks = _run_ep_ranks(tmp_path / "cap", state, batch, world=world,
+    ranks = run_ep_ranks(tmp_path / "cap", state, batch, world=world,
                           extra=("--capacity-factor", str(factor), "--graph"))
     for out in ranks:
         for mode in ("eager", "graph"):

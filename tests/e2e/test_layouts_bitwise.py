@@ -55,18 +55,6 @@ def test_uneven_fsdp_shards_are_padded_and_equal_eager_on_every_rank(debug_artif
     assert len(result["eager"]) == 4
 
 
-def test_405b_at_tp8_dp_shard_128_is_a_valid_layout():
-    """The embedding's 16,032 rows per tp shard do not divide by 128: FSDP pads, titan builds."""
-    from titan.builder.spec.build_spec import make_spec
-    from titan.runtime.contract.shards import shard_box
-
-    spec = make_spec(model="llama3", flavor="405B", tp=8, dp_shard=128, dp_replicate=1, batch_size=None,
-                     seq_len=None)
-    assert spec.layout.world_size == 1024
-    last = shard_box([[0, 8, 7], [0, 128, 127]], [128256, 16384])
-    assert (last.offsets, last.sizes, last.local_shape) == ((128226, 0), (30, 16384), (126, 16384))
-
-
 def test_hsdp_losses_equal_eager(debug_artifact, tmp_path):
     art = debug_artifact(dp_replicate=2, dp_shard=2)
     r = titan("verify", art, "--steps", 3)

@@ -2,7 +2,8 @@
 
 A value baked in from one rank shows only on the others, so these tests look at every rank:
 the bound program of a rank that was not traced equals an independent trace of that rank, and
-every rank trains bitwise equal to eager."""
+every rank trains bitwise equal to eager. (Fitting one program from probe ranks' traces, in
+process: unit/test_program_fit.py.)"""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import pytest
 import torch
 
 from conftest import assert_every_rank_equals_eager, titan
-from titan.builder.program.bind import NotOneProgram, Trace, one_program, probe_ranks
+from titan.builder.program.bind import probe_ranks
 from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.bindings import bind_value
 from titan.runtime.contract.graph_decode import load_graph, region_kinds
-from titan.runtime.contract.graph_doc import BIND, FORMAT, VERSION, GraphFormatError, read_doc
+from titan.runtime.contract.graph_doc import BIND, GraphFormatError, read_doc
 from titan.runtime.contract.layout import Layout
-from titan.runtime.contract.rank_record import RankRecord
 
 
 def _bound(value, coords: dict[str, int]):
@@ -89,35 +89,6 @@ def test_bound_program_equals_an_independent_trace_of_an_untraced_rank(debug_art
 @pytest.mark.parametrize("layout", [dict(tp=4), dict(tp=2, dp_shard=2)], ids=["tp4", "tp2-dp_shard2"])
 def test_every_rank_trains_bitwise_equal_to_eager(layout, debug_artifact, tmp_path):
     assert_every_rank_equals_eager(debug_artifact(**layout), tmp_path, steps=3, ranks=4)
-
-
-def _doc(values: list) -> bytes:
-    nodes = [{"name": "x", "op": "placeholder", "val": None}]
-    nodes += [{"name": f"y{i}", "op": "call_function", "target": "aten.sub.Tensor", "args": [{"$n": 0}, v]}
-              for i, v in enumerate(values)]
-    return msgpack.packb({"format": FORMAT, "version": VERSION, "nodes": nodes, "constants": None})
-
-
-def _traces(layout: Layout, value_of) -> list[Trace]:
-    meta = RankRecord(params=(), forward_inputs=(), static_input_indices=(), saved_activations=0, saved_bytes=0,
-                      backward_outputs=())
-    return [Trace(rank=r, forward=_doc([value_of(layout.coordinates(r))]), backward=_doc([7]),
-                  meta=replace(meta, rank=r, coords=layout.coordinates(r))) for r in probe_ranks(layout)]
-
-
-def test_probe_ranks_fit_affine_bindings_and_refuse_anything_else():
-    layout = Layout(dp_replicate=2, dp_shard=4, tp=8)
-    assert probe_ranks(layout) == [0, 1, 8, 32, 63]
-    program = one_program(layout, _traces(layout, lambda c: 1000 * c["tp"] - 3 * c["dp_shard"] + 5))
-    assert program.bindings == 1
-    node = read_doc(program.forward)["nodes"][1]
-    assert node["args"][1] == {BIND: {"base": 5, "coef": {"dp_shard": -3, "tp": 1000}}}
-    # Not affine in tp (right at 0 and 1, wrong at the last coordinate): refused, not guessed.
-    with pytest.raises(NotOneProgram, match="not an affine function"):
-        one_program(layout, _traces(layout, lambda c: c["tp"] ** 2))
-    # Dimensions that do not add up (a product of coordinates): refused.
-    with pytest.raises(NotOneProgram, match="not an affine function"):
-        one_program(layout, _traces(layout, lambda c: c["tp"] * c["dp_shard"]))
 
 
 def _program_blob(debug_artifact, kind: str) -> tuple[dict, bytes]:

@@ -1,6 +1,7 @@
 """Hugging Face Llama weights: titan-run --init-from-hf trains from them (first-step loss equal
 to transformers' on the same weights and tokens), titan-export writes them back bit for bit,
-and bad checkpoints are refused with one line."""
+and bad checkpoints are refused with one line. (A shard's rows read in process:
+unit/test_hf_weights_rows.py.)"""
 
 from __future__ import annotations
 
@@ -10,49 +11,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
-from conftest import param_spec, read_metrics, titan
+from conftest import read_metrics, titan
+from hf_llama import hf_dir, hf_model, save_hf_model, transformers  # noqa: F401 (a fixture)
 from titan.runtime.contract.artifact import open_artifact
-
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
 
 SEQ_LEN = 128
 FP32 = ("--dtype", "fp32")
 
 
-def _hf_config(**overrides):
-    # The debug flavor: dim 256, 2 layers, 8 heads, 4 kv heads, vocab 2048, SwiGLU width 704.
-    # initializer_range 0.1 (not HF's 0.02): with 0.02 the loss is ~ln(2048) whatever the q/k
-    # rows hold; at 0.1 a loader that skipped the q/k permutation is off by ~0.04 (asserted below).
-    kw = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
-              intermediate_size=704, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-              initializer_range=0.1, max_position_embeddings=512)
-    kw.update(overrides)
-    return transformers.LlamaConfig(**kw)
-
-
-def _model(*, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(_hf_config(**overrides)).float()
-
-
-def _save_model(path, *, max_shard_size: str | None = None, **overrides):
-    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    _model(**overrides).save_pretrained(path, safe_serialization=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "llama-debug"
-    _save_model(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def hf_sharded_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "llama-debug-sharded"
-    _save_model(path, max_shard_size="1MB")
+    save_hf_model(path, max_shard_size="1MB")
     assert (path / "model.safetensors.index.json").is_file()
     return path
 
@@ -131,7 +103,7 @@ def test_export_round_trip_is_bit_exact(layout, source, dtype, hf_dir, debug_art
         original_dir = hf_dir
     else:
         original_dir = tmp_path / "bf16"
-        _model().to(torch.bfloat16).save_pretrained(original_dir, safe_serialization=True, max_shard_size="1MB")
+        hf_model().to(torch.bfloat16).save_pretrained(original_dir, safe_serialization=True, max_shard_size="1MB")
     art = debug_artifact(**layout, extra=FP32)
     ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
     r = titan("run", art, "--init-from-hf", original_dir, "--steps", 0, "--checkpoint-dir", ckpt)
@@ -148,31 +120,9 @@ def test_export_round_trip_is_bit_exact(layout, source, dtype, hf_dir, debug_art
     assert titan("export", ckpt, "--hf", out).returncode == 2, "an existing --hf directory is never overwritten"
 
 
-@pytest.mark.parametrize("slices", [[[0, 8, 3]], [[0, 2, 1], [0, 4, 2]], [[1, 2, 1], [0, 16, 5]], [[0, 4, 1]],
-                                    [[0, 3, 1]], [[0, 3, 2]], [[1, 2, 1], [0, 5, 4]], [[0, 160, 130]]])
-def test_shards_that_cut_heads_read_the_right_rows(slices, hf_dir):
-    """A shard may start or end inside a head (FSDP cuts dim 0 after tp, unevenly where it does
-    not divide): its rows are still the right ones of the un-permuted tensor, padded as the
-    seeded init pads them."""
-    from titan.builder.models import model_spec
-    from titan.runtime.hf_weights import HFCheckpoint, titan_rows_from_hf
-    from titan.runtime.contract.shard_tensors import shard_of
-
-    llama3 = model_spec("llama3")
-    cfg = llama3.flavors["debug"]
-    ckpt = HFCheckpoint(hf_dir, record=llama3.hf_checkpoint(cfg, list(llama3.init_specs(cfg))))
-    full_hf = load_file(hf_dir / "model.safetensors")
-    for fqn, name, rows in (("layers.1.attention.wq.weight", "model.layers.1.self_attn.q_proj.weight", 256),
-                            ("layers.0.attention.wk.weight", "model.layers.0.self_attn.k_proj.weight", 128)):
-        full = full_hf[name].unflatten(0, (-1, 32))[:, titan_rows_from_hf(32)].flatten(0, 1)
-        param = param_spec(fqn, [rows, 256], slices)
-        assert torch.equal(ckpt.read_shard(param, device=torch.device("cpu")), shard_of(full, slices)), (fqn, slices)
-    ckpt.close()
-
-
 def test_tied_embeddings_load_the_output_from_the_embedding(debug_artifact, token_file, tmp_path):
     hf = tmp_path / "tied"
-    _save_model(hf, tie_word_embeddings=True)
+    save_hf_model(hf, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(hf / "model.safetensors")
     art = debug_artifact(tp=2, extra=FP32)
     metrics = tmp_path / "metrics.jsonl"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from titan.runtime.contract.layout import Layout
+from titan.runtime.contract.layout import MESH_DIMS, Layout
 
 _EIGHT_RANKS = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
 
@@ -29,3 +29,17 @@ def test_the_mesh_and_the_name_list_only_dimensions_of_size_above_one():
     assert Layout.from_dict(layout.as_dict()) == layout
 
 
+
+
+@pytest.mark.parametrize("layout", [Layout(dp_replicate=2, dp_shard=3, ep=2, tp=4), Layout(tp=8), Layout(dp_shard=5),
+                                    Layout(dp_replicate=3, ep=4), Layout()], ids=lambda layout: layout.tag())
+def test_every_rank_has_its_own_place_and_each_batch_slice_one_tp_group(layout):
+    coords = [layout.coordinates(r) for r in range(layout.world_size)]
+    assert len({tuple(c.values()) for c in coords}) == layout.world_size
+    assert all(0 <= c[d] < getattr(layout, d) for c in coords for d in MESH_DIMS)
+    slices = [layout.dp_rank(c) for c in coords]
+    assert sorted(set(slices)) == list(range(layout.dp_degree))
+    # tp innermost: each run of tp consecutive ranks reads one slice, and no other rank reads it.
+    groups = [slices[g:g + layout.tp] for g in range(0, layout.world_size, layout.tp)]
+    assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) == len(groups)
+    assert Layout.from_dict(layout.as_dict()) == layout and layout.world_size == layout.dp_degree * layout.tp

@@ -42,14 +42,11 @@ def test_tensorboard_scalars_import_no_builder_or_compiler(debug_artifact, tmp_p
 
 
 def test_hf_init_checkpoint_and_resume_import_no_builder_or_compiler(debug_artifact, tmp_path):
-    import torch
-    transformers = pytest.importorskip("transformers")
-    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    pytest.importorskip("transformers")
+    from hf_llama import save_hf_model
+
     hf = tmp_path / "hf"
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                                 vocab_size=2048, intermediate_size=704, rms_norm_eps=1e-5, rope_theta=500000.0,
-                                 tie_word_embeddings=False)).save_pretrained(hf, safe_serialization=True)
+    save_hf_model(hf)
     art, ckpt = debug_artifact(), tmp_path / "ckpt"
     assert "DCP True" in _probe(art, f"dict(steps=1, init_from_hf={str(hf)!r}, checkpoint_dir={str(ckpt)!r})")
     _probe(art, f"dict(steps=2, resume=True, checkpoint_dir={str(ckpt)!r})")

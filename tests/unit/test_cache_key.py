@@ -1,0 +1,57 @@
+"""The cache key (builder/spec/cache_key.py): every factor that changes a build's output is named,
+each graph-shaping choice changes the key, and --explain's lines name exactly the factor that
+changed. (Hits and misses of real builds: e2e/test_cache.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from titan.builder.spec.build_spec import make_spec
+from titan.builder.spec.cache_key import build_factors, describe_differences, digest, rank_factors
+
+DEBUG = dict(model="llama3", flavor="debug", tp=1, dp_shard=1, dp_replicate=1, batch_size=None, seq_len=None)
+
+
+def _factors(**changes) -> dict:
+    return build_factors(make_spec(**(DEBUG | changes)))
+
+
+def test_the_key_names_every_factor_that_changes_a_build():
+    factors = _factors()
+    assert sorted(factors) == ["activation checkpointing", "batch size", "builder version", "dtype", "flavor", "mesh",
+                               "model", "model config", "passes", "seq len", "target device", "torch version"]
+    assert (factors["mesh"], factors["batch size"], factors["seq len"], factors["dtype"]) == ([], 2, 128, "float32")
+    assert factors["passes"] == ["partition:min_cut", "mask_index_put_to_where", "overlap_collectives", "fuse_exact"]
+    key = digest(factors)
+    assert len(key) == 32 and int(key, 16) >= 0
+    assert digest(dict(reversed(factors.items()))) == key == digest(_factors()), "the key depends on values only"
+
+
+@pytest.mark.parametrize("change, explained", [
+    (dict(seq_len=64), ["seq len 128 -> 64"]),
+    (dict(batch_size=4), ["batch size 2 -> 4"]),
+    (dict(tp=2), ['mesh [] -> [["tp", 2]]']),
+    (dict(dtype="bf16"), ["dtype float32 -> bfloat16"]),
+    (dict(ac="full"), ["activation checkpointing none -> full"]),
+    (dict(partitioner="default"), ["passes +partition:default -partition:min_cut"]),
+    (dict(passes=("mask_index_put_to_where",)), ["passes -overlap_collectives -fuse_exact"]),
+    (dict(fuse="blocks"), ["passes +fuse_blocks -fuse_exact"]),
+    (dict(flavor="1B", seq_len=128, batch_size=2, dtype="fp32"),
+     ["flavor debug -> 1B", "model config dim 256 -> 2048", "model config ffn_dim_multiplier None -> 1.5",
+      "model config multiple_of 64 -> 256", "model config n_heads 8 -> 32", "model config n_kv_heads 4 -> 8",
+      "model config n_layers 2 -> 16", "model config vocab_size 2048 -> 128256"]),
+])
+def test_each_choice_changes_the_key_and_is_named_when_explained(change, explained):
+    base, changed = _factors(), _factors(**change)
+    assert digest(changed) != digest(base)
+    assert describe_differences(base, changed) == explained
+    assert describe_differences(base, base) == []
+
+
+def test_a_rank_key_adds_its_coordinates_and_a_shallow_trace_its_depth():
+    factors = _factors(tp=2)
+    ranks = [rank_factors(factors, {"tp": r}) for r in range(2)]
+    assert digest(ranks[0]) != digest(ranks[1]) and ranks[0]["rank coordinates"] == {"tp": 0}
+    shallow = rank_factors(factors, {"tp": 0}, depth=3)
+    assert shallow["traced depth"] == 3 and digest(shallow) != digest(ranks[0])
+    assert describe_differences(ranks[0], shallow) == ["traced depth None -> 3"]

@@ -1,0 +1,45 @@
+"""Fitting a deep model's program from shallow traces (builder/program/stamp.py): a list that grows by
+one block per layer is extended, anything else refused; and how the trace tasks are shared
+among workers. (The fitted program against a full-depth trace: e2e/test_deep_program_build.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from titan.builder.program.stamp import STAMP_CHECK_DEPTH, STAMP_DEPTHS, NotStampable, fit
+
+
+def _samples(*lists):
+    return [({"n": n}, x) for n, x in zip(STAMP_DEPTHS, lists)]
+
+
+def test_fit_extends_a_list_that_grows_by_one_block_per_layer():
+    # A prefix, two elements per layer (names and references shift with the layer), a suffix
+    # that refers back to the last layer.
+    def doc(n):
+        layers = [x for i in range(n) for x in ({"name": f"mm_{i}", "arg": {"$n": 1 + 2 * i}},
+                                                {"name": f"add_{i}", "arg": {"$n": 2 + 2 * i}})]
+        return [{"name": "embed", "arg": 0}, *layers, {"name": "norm", "arg": {"$n": 2 * n}}]
+
+    fitted = fit(_samples(*(doc(n) for n in STAMP_DEPTHS)), "doc")
+    assert fitted.at({"n": 9}) == doc(9)
+    assert fitted.at({"n": STAMP_CHECK_DEPTH}) == doc(STAMP_CHECK_DEPTH)
+
+
+@pytest.mark.parametrize("values", [[1, 2, 4], [0.5, 0.25, 0.125], ["a", "b", "c"], [[1], [1, 2], [1, 2, 3, 4]]],
+                         ids=["not-affine", "floats", "text", "uneven-growth"])
+def test_fit_refuses_values_that_are_not_one_repeated_block(values):
+    with pytest.raises(NotStampable):
+        fit(_samples(*values), "value")
+
+
+def test_trace_tasks_keep_both_workers_busy_and_a_rank_whole_when_workers_suffice():
+    from titan.builder.trace.pool import trace_tasks
+
+    todo = {0: (3, 4, 5, 6), 1: (3, 4, 5), 3: (3, 4, 5)}
+    split = trace_tasks(todo, jobs=2)
+    assert sorted(split) == sorted((r, (d,)) for r, depths in todo.items() for d in depths)
+    assert [d for _, (d,) in split] == sorted((d for depths in todo.values() for d in depths), reverse=True)
+    whole = trace_tasks(todo, jobs=4)
+    assert whole == [(0, (3, 4, 5, 6)), (1, (3, 4, 5)), (3, (3, 4, 5))]
+    assert trace_tasks({2: (None,)}, jobs=1) == [(2, (None,))]
