@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from titan.runtime.artifact import Artifact
 from titan.runtime.contract.graph_decode import load_graph, region_kinds
+from titan.runtime.contract.graph_doc import MAX_GRAPH_BYTES
 from titan.runtime.contract.rank_record import check_graphs
 
 
@@ -19,8 +20,8 @@ def load_rank_graphs(artifact: Artifact, rank: int, *, device: torch.device,
     entry = artifact.rank_entry(rank)
     regions = region_kinds(artifact.manifest.passes)  # fusion regions only if the build made them
     bind = dict(groups=groups, coords=artifact.rank_coordinates(rank), device=device, regions=regions)
-    forward = load_graph(artifact.read_verified(entry.forward), **bind)
-    backward = load_graph(artifact.read_verified(entry.backward), **bind)
+    forward = load_graph(artifact.read_verified(entry.forward, max_size=MAX_GRAPH_BYTES), **bind)
+    backward = load_graph(artifact.read_verified(entry.backward, max_size=MAX_GRAPH_BYTES), **bind)
     check_graphs(artifact.rank_record(rank), forward, backward, f"{artifact.root} rank {rank}", rank=rank,
                  layout=artifact.layout, graph_hashes={k: artifact.graph_hash(rank, k) for k in ("forward", "backward")})
     return forward, backward

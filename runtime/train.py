@@ -24,6 +24,7 @@ from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
+from titan.runtime.memory_estimate import check_device, estimate_from_graphs
 from titan.runtime.rank_graphs import load_rank_graphs
 
 
@@ -106,6 +107,9 @@ class GraphProgram:
         record = artifact.rank_record(rank)
         # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
         self.forward, self.backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh))
+        # Before anything is allocated: a program that cannot fit this device is one line, not an OOM.
+        check_device(estimate_from_graphs(record, self.forward, self.backward), device,
+                     name=f"{artifact.root} rank {rank}")
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
         self.fusion = compile_program_regions(self.forward, self.backward, device, artifact=artifact)
         self.inputs = record.forward_inputs

@@ -18,9 +18,9 @@ MAX_DEPTH = 16
 MAX_NODES = 1 << 20
 MAX_GRAPH_BYTES = 64 << 20
 """Largest graph blob read: DeepSeek-V3 16B's backward is 1.5 MB, 671B's (61 layers) 5.1 MB."""
-BYTES_PER_CONTAINER = 8
+BYTES_PER_CONTAINER = 12
 """Every list or map of a graph document takes at least this many bytes of its blob on
-average (titan's graphs: 21-22): a document that decodes into more containers than
+average (titan's graphs: 20.5-22, Llama and DeepSeek-V3, with and without fusion): a document that decodes into more containers than
 len(blob) / this is refused while decoding, before it expands (a blob of empty arrays, one
 byte each, would otherwise make ~140 bytes of Python objects of every byte)."""
 MAX_MAP_LEN = 64
