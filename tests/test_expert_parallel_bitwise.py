@@ -148,3 +148,19 @@ def test_layouts_that_do_not_divide_get_the_reason(flags, reason, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == reason
     assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.slow
+def test_a_16b_artifact_at_ep_8_passes_the_loaders_checks_on_every_rank(tmp_path):
+    """The published widths at ep 8 (8-part all-to-alls of 3,072 rows each): every rank's
+    metadata, graphs and their agreement, as titan-run checks them before binding groups."""
+    from titan.runtime.artifact import open_artifact
+    from titan.runtime.rank_graphs import check_rank_loads
+
+    out = tmp_path / "16b-ep8"
+    r = titan("build", "--model", "deepseek_v3", "--flavor", "16B", "--ep", 8, "--seq-len", 512, "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    art = open_artifact(out)
+    assert art.world_size == 8
+    for rank in range(art.world_size):
+        check_rank_loads(art, rank)

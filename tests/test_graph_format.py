@@ -177,6 +177,7 @@ def test_split_lists_out_of_bounds_are_refused(splits, why):
     ("aten.arange.default", [1 << 34], "elements"),
     ("aten.arange.start_step", [-(1 << 33), 1 << 33, 1], "elements"),
     ("aten.arange.start_step", [0, 10, 0], "non-zero step"),
+    ("aten.arange.start_step", [-1e308, 1e308, 1e-300], "non-zero step"),
     ("aten.embedding_dense_backward.default", [{"$n": 0}, {"$n": 0}, 1 << 34, -1, False], "count"),
     ("aten.view.default", [{"$n": 0}, [1] * 9], "dimensions"),
     ("aten.constant_pad_nd.default", [{"$n": 0}, [1, 2, 3]], "padding"),

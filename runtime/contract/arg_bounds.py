@@ -187,6 +187,7 @@ def check_elements(n: int, where: str) -> None:
 def check_arange(bound: dict, where: str) -> None:
     """aten.arange's length, from its start / end / step: at most MAX_NODE_ELEMENTS."""
     start, end, step = bound.get("start", 0), bound["end"], bound.get("step", 1)
-    if not all(math.isfinite(x) for x in (start, end, step)) or step == 0:
+    length = (end - start) / step if step else math.nan  # inf or nan for values no arange takes
+    if not math.isfinite(length):
         _fail(where, "arange needs finite start, end and a non-zero step")
-    check_elements(max(0, math.ceil((end - start) / step)), where)
+    check_elements(max(0, math.ceil(length)), where)
