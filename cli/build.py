@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -65,7 +64,8 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     from titan.builder.spec.build_spec import make_spec
     from titan.runtime.store.build_cache import Cache
     from titan.builder.spec.cache_key import build_factors, digest
-    from titan.runtime.common import timings
+    import titan.runtime.common.timings as timings
+    from titan.runtime.memory_estimate import PARAM_STATE_BYTES, param_elements
     from titan.cli.build_progress import BuildProgress
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
@@ -86,7 +86,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     def progress(res):
         t = res.timings
         meta = res.meta
-        state = sum(math.prod(p.local_shape) for p in meta.params) * 16  # fp32 param, grad, 2 AdamW moments
+        state = param_elements(meta) * PARAM_STATE_BYTES  # fp32 param, grad, 2 AdamW moments
         depth = "" if res.depth is None else f" ({res.depth} layers)"
         shown.rank_done(f"  rank {res.rank}{depth}: done: traced in {t['export_s']:.1f} s, partitioned in "
                         f"{t['partition_s']:.1f} s, passes {t['passes_s']:.1f} s; memory: {meta.saved_activations} "

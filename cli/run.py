@@ -109,6 +109,8 @@ def launch(art, cfg, *, started: float) -> int:
         raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
     if cfg.device != "cpu":
         _check_gpus(art.world_size, cfg.device)
+    from titan.runtime.memory_estimate import check_local_ranks
+    check_local_ranks(art.world_size, record, cfg.device, name=str(art.root))  # a CPU host's cores and memory
     from titan.runtime.launch import spawn_local
     os.environ["TITAN_RUN_STARTED"] = repr(started)  # rank 0 records the start-up time from here
     return spawn_local("titan.cli.run", command_args(), art.world_size)

@@ -52,6 +52,8 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
     art.verify_all()
     from titan.runtime.run_state import RunState
     RunState(cfg, art.manifest, art.rank_record(0).params).close()  # the run's checks (--data), once
+    from titan.runtime.memory_estimate import check_local_ranks
+    check_local_ranks(art.world_size, art.rank_record(0), device, name=str(art.root))  # a CPU host's cores and memory
     from titan.runtime.launch import spawn_local
     code = spawn_local("titan.cli.verify", command_args(), art.world_size)
     if code in (0, 1):  # finished (equal or not)

@@ -18,13 +18,14 @@ from titan.runtime.buffer_state import BufferState
 from titan.runtime.data import SyntheticTokens, TokenFile
 from titan.runtime.kernels.fusion import compile_program_regions
 from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
-from titan.runtime.contract.graph_decode import load_graph, region_kinds
 from titan.runtime.init import materialize
 from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
 from titan.runtime.step_log import StepLog
-from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, check_graphs
+from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
+from titan.runtime.memory_estimate import check_device, estimate_from_graphs
+from titan.runtime.rank_graphs import load_rank_graphs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,15 +105,11 @@ class GraphProgram:
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None,
                  load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None):
         record = artifact.rank_record(rank)
-        entry = artifact.rank_entry(rank)
-        regions = region_kinds(artifact.manifest.passes)  # fusion regions only if the build made them
         # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
-        bind = dict(groups=group_names(mesh), coords=artifact.rank_coordinates(rank), device=device, regions=regions)
-        self.forward = load_graph(artifact.read_verified(entry.forward), **bind)
-        self.backward = load_graph(artifact.read_verified(entry.backward), **bind)
-        check_graphs(record, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
-                     layout=artifact.layout,
-                     graph_hashes={k: artifact.graph_hash(rank, k) for k in ("forward", "backward")})
+        self.forward, self.backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh))
+        # Before anything is allocated: a program that cannot fit this device is one line, not an OOM.
+        check_device(estimate_from_graphs(record, self.forward, self.backward), device,
+                     name=f"{artifact.root} rank {rank}")
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
         self.fusion = compile_program_regions(self.forward, self.backward, device, artifact=artifact)
         self.inputs = record.forward_inputs

@@ -23,6 +23,14 @@ MAX_JSON_BYTES = 64 << 20
 """Largest JSON document (manifest, rank record, cache record) read: real ones are under 1 MiB."""
 MAX_JSON_DEPTH = 32
 """Deepest nesting of a JSON document: titan writes at most 6 levels."""
+JSON_BYTES_PER_CONTAINER = 16
+JSON_BYTES_PER_STRING = 8
+"""A JSON document has at most one list or object per this many bytes, and one string per
+JSON_BYTES_PER_STRING: counted on the raw bytes, before parsing, since a parsed container
+costs 60-250 bytes of Python objects (a 60 MiB manifest of `[],` took 3.1 GiB). titan's
+documents have 59-540 bytes per container and 20-48 per string (manifests, program
+metadata, cache records of DeepSeek-V3 debug to 671B), and a document within both bounds
+parses into at most ~10x its size."""
 CHUNK = 1 << 20
 
 # Open flags for reading something untrusted: no link followed at the last step, no wait on a
@@ -145,8 +153,19 @@ def check_depth(doc: Any, max_depth: int, what: str) -> None:
             stack.extend((c, depth + 1) for c in children if isinstance(c, (list, tuple, dict)))
 
 
+def check_json_density(data: bytes, what: str) -> None:
+    """UnsafeFile if `data` holds more lists, objects or strings than its size allows (the
+    brackets and quotes are counted wherever they are, so this never under-counts)."""
+    containers, strings = data.count(b"[") + data.count(b"{"), data.count(b'"') // 2
+    if containers > len(data) // JSON_BYTES_PER_CONTAINER + 8 or strings > len(data) // JSON_BYTES_PER_STRING + 8:
+        raise UnsafeFile(f"{what} holds {containers:,} lists or objects and {strings:,} strings in "
+                         f"{len(data):,} bytes, more than any document titan writes")
+
+
 def loads_json(data: bytes, what: str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """A JSON document, bounded in nesting; UnsafeFile naming `what` otherwise."""
+    """A JSON document, bounded in size before it is parsed (check_json_density) and in
+    nesting; UnsafeFile naming `what` otherwise."""
+    check_json_density(data, what)
     try:
         doc = json.loads(data)
     except RecursionError:

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan.runtime.common.environment import installed_torch_version, torch_release
 from titan.runtime.contract.checks import ArtifactError
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.manifest import MANIFEST, Manifest, ProgramFiles
 from titan.runtime.contract.rank_record import RankRecord, bind_program
-from titan.runtime.common.safe_files import MAX_JSON_BYTES, UnsafeFile, loads_json, read_regular
+from titan.runtime.common.safe_files import UnsafeFile, loads_json, read_regular
 
 MAX_FILE_BYTES = 1 << 30
 """Largest artifact file read (an 8B graph is ~2 MB; a 405B one a few times that)."""
+MAX_MANIFEST_BYTES = 16 << 20
+"""Largest manifest read (DeepSeek-V3 671B at 2,048 ranks: 0.1 MB): bounded on its raw bytes,
+before it is parsed."""
+MAX_PROGRAM_BYTES = 16 << 20
+"""Largest program metadata read (DeepSeek-V3 671B: 0.66 MB)."""
 
 
 def file_sha256(path: Path) -> str:
@@ -25,6 +30,21 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def cache_root() -> Path:
+    """The shared cache of builds and compiled kernels: $TITAN_CACHE_DIR, else ~/.cache/titan."""
+    return Path(os.environ.get("TITAN_CACHE_DIR") or "~/.cache/titan").expanduser()
+
+
+def installed_torch_version() -> str:
+    """torch's version without importing torch (3 s here): the cache-hit path needs only this."""
+    return importlib.metadata.version("torch")
+
+
+def torch_release(version: str) -> str:
+    """'2.13.0+cpu' -> '2.13.0': the local build tag does not change graphs."""
+    return version.split("+", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -84,7 +104,7 @@ class Artifact:
         """The metadata of the program this rank runs, as stored (slices named by mesh dimension)."""
         rel = self.rank_entry(rank).meta
         try:
-            return loads_json(self.read_verified(rel, max_size=MAX_JSON_BYTES), f"{self.root}: program metadata {rel}")
+            return loads_json(self.read_verified(rel, max_size=MAX_PROGRAM_BYTES), f"{self.root}: program metadata {rel}")
         except UnsafeFile as e:
             raise ArtifactError(f"{e}; rebuild with titan-build") from None
 
@@ -103,7 +123,7 @@ def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artif
     try:
         if not root.is_dir() or not os.path.lexists(mpath):
             raise ArtifactError(f"{root} is not a titan artifact (no {MANIFEST}); build one with titan-build")
-        manifest = loads_json(read_regular(root, MANIFEST, max_size=MAX_JSON_BYTES, what=str(mpath)), str(mpath))
+        manifest = loads_json(read_regular(root, MANIFEST, max_size=MAX_MANIFEST_BYTES, what=str(mpath)), str(mpath))
     except UnsafeFile as e:
         raise ArtifactError(f"{e}; rebuild with titan-build") from None
     except OSError as e:  # e.g. a path component that cannot be searched

@@ -23,6 +23,7 @@ kinds the artifact's fusion pass makes (REGION_KINDS): a tag decides whether ker
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from typing import Any, Callable, Sequence
@@ -31,9 +32,12 @@ import safetensors.torch
 import torch
 import torch.fx as fx
 
+from titan.runtime.contract.arg_bounds import (MAX_RANK, Meaning, check_arange, check_elements, check_meaning,  # noqa: F401
+                                              meaning_of)
 from titan.runtime.contract.bindings import bind_value
 from titan.runtime.contract.graph_doc import (BIND, DEVICE, DTYPE, FORMAT, GROUP, LAYOUT, MAX_ELEMENTS,  # noqa: F401
-                                             MEMORY_FORMAT, NODE, TUPLE, VERSION, GraphFormatError, read_doc)
+                                             MAX_NODES, MEMORY_FORMAT, NODE, TUPLE, VERSION, GraphFormatError,
+                                             read_doc)
 from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 
 # A fusion region tag: "<kind>#<n>"; runtime/kernels/fusion.py compiles each region.
@@ -45,9 +49,6 @@ REGION_KINDS = {
     "fuse_regions": frozenset({"rms_norm", "rope", "swiglu", "loss"}),
     "fuse_blocks": frozenset({"block"}),
 }
-MAX_NODES = 1 << 20
-MAX_RANK = 8
-"""Tensors have at most this many dimensions; `dim` arguments are bounded by it."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 BUILTIN_TARGETS: dict[str, Callable] = {"getitem": operator.getitem}
 
@@ -117,48 +118,37 @@ def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -
         if k not in params or k in bound:
             raise GraphFormatError(f"node {i}: {name} has no argument {k!r} (or it is given twice)")
         bound[k] = v
-    for arg, (kind, has_default) in params.items():
+    for arg, (kind, has_default, meaning) in params.items():
         if arg not in bound:
             if not has_default:
                 raise GraphFormatError(f"node {i}: {name} is missing argument {arg!r}")
             continue
         where = f"node {i} ({name}) argument {arg}"
         _check_kind(bound[arg], kind, where)
-        _check_bound(arg, bound[arg], where)
+        if meaning is not None:  # bounded by what it means (arg_bounds.py)
+            check_meaning(meaning, bound[arg], where)
+    if target is _ARANGE or target is _ARANGE_START_STEP:
+        check_arange(bound, f"node {i} ({name})")
 
 
 _SIGNATURES: dict = {}
 
 
-def _signature(target) -> tuple[tuple[str, ...], dict[str, tuple[str, bool]]]:
-    """(positional argument names, name -> (type string, has a default)) of an op's schema, read
-    once per op: reading a schema through torch's bindings costs more than checking a call."""
+def _signature(target) -> tuple[tuple[str, ...], dict[str, tuple[str, bool, Meaning | None]]]:
+    """(positional argument names, name -> (type string, has a default, meaning)) of an op's
+    schema, read once per op: reading a schema through torch's bindings costs more than
+    checking a call."""
     found = _SIGNATURES.get(target)
     if found is None:
         params = target._schema.arguments
         found = (tuple(a.name for a in params if not a.kwarg_only),
-                 {a.name: (str(a.real_type), a.has_default_value()) for a in params})
+                 {a.name: (str(a.real_type), a.has_default_value(), meaning_of(a.name, str(a.real_type)))
+                  for a in params})
         _SIGNATURES[target] = found
     return found
 
 
-# Arguments bounded by what they mean, beyond their type: dimensions index a tensor of at most
-# MAX_RANK dimensions; a process group has at most 2^16 ranks.
-_DIM_ARGS = ("dim", "dim0", "dim1")
-_GROUP_ARGS = ("group_size",)
-
-
-def _check_bound(arg: str, v, where: str) -> None:
-    if arg in _DIM_ARGS or (arg == "dim" and isinstance(v, (list, tuple))):
-        for d in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(d, int) and not -MAX_RANK <= d < MAX_RANK:
-                raise GraphFormatError(f"{where}: dimension {d} is out of range")
-    if arg in _GROUP_ARGS and isinstance(v, int) and not 1 <= v <= 1 << 16:
-        raise GraphFormatError(f"{where}: group size {v} is out of range")
-    if isinstance(v, (list, tuple)) and len(v) > 4 * MAX_RANK:
-        raise GraphFormatError(f"{where}: list of {len(v)} values is too long")
-
-
+_ARANGE, _ARANGE_START_STEP = torch.ops.aten.arange.default, torch.ops.aten.arange.start_step
 _DECODED_KINDS = {"ScalarType": torch.dtype, "Layout": torch.layout, "Device": torch.device,
                   "MemoryFormat": torch.memory_format}
 
@@ -181,16 +171,8 @@ def _check_kind(v, kind: str, where: str) -> None:
         ok = isinstance(v, (list, tuple)) and all(x is None or isinstance(x, fx.Node) for x in v)
     elif kind in ("int", "SymInt"):
         ok = isinstance(v, int) and not isinstance(v, bool)
-        if ok:
-            _check_int(v, where)
     elif kind in ("List[int]", "List[SymInt]"):
         ok = isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-        if ok:
-            total = 1
-            for x in v:
-                _check_int(x, where)
-                total *= max(abs(x), 1)
-            _check_int(total, where)
     elif kind == "float":
         ok = isinstance(v, (int, float)) and not isinstance(v, bool)
     elif kind == "bool":
@@ -199,8 +181,6 @@ def _check_kind(v, kind: str, where: str) -> None:
         ok = isinstance(v, str)
     elif kind == "number":
         ok = isinstance(v, (int, float, bool))
-        if ok and isinstance(v, int):
-            _check_int(v, where)
     elif kind in _DECODED_KINDS:
         ok = isinstance(v, _DECODED_KINDS[kind])
     elif kind == "List[bool]":
@@ -211,6 +191,19 @@ def _check_kind(v, kind: str, where: str) -> None:
         raise GraphFormatError(f"{where}: arguments of type {kind} are not supported by the titan format")
     if not ok:
         raise GraphFormatError(f"{where}: expected {kind}, got {type(v).__name__}")
+
+
+def _checked_val(val, i: int):
+    """A node's recorded result, its tensors' element counts bounded as a node's output: the
+    memory estimate (memory_estimate.py) and the tools read these shapes."""
+    for t in val if isinstance(val, list) else [val]:
+        if isinstance(t, dict) and "shape" in t:
+            shape = t["shape"]
+            if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise GraphFormatError(f"node {i}: recorded shape {str(shape)[:80]} is not a shape")
+            check_elements(math.prod(shape), f"node {i}: recorded result")
+    return val
 
 
 def _decode_value(v: Any, nodes: list[fx.Node], here: int, ctx: "_DecodeContext") -> Any:
@@ -318,7 +311,7 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
             node = graph.output(tuple(args[0]))
         else:
             raise GraphFormatError(f"node {i}: unknown op kind {op!r}")
-        node.meta["titan_val"] = rec.get("val")
+        node.meta["titan_val"] = _checked_val(rec.get("val"), i)
         region = rec.get("region")
         if region is not None:
             m = REGION.fullmatch(region) if isinstance(region, str) else None

@@ -115,3 +115,82 @@ def test_dimension_arguments_are_bounded(dim):
     ]
     with pytest.raises(GraphFormatError, match="dimension"):
         _load(_blob(nodes))
+
+
+def test_every_sized_argument_of_every_allowed_op_has_a_meaning():
+    """Each int, int-list and number argument of an allowed op is bounded by what it means (a
+    shape, a split list, a dimension, ...): an op added to the allow-list with an argument the
+    loader cannot classify fails here, not in a user's run."""
+    from titan.runtime.contract.arg_bounds import BOUNDED_KINDS, meaning_of, plain_kind
+    from titan.runtime.contract.graph_decode import resolve_target
+    from titan.runtime.contract.op_allowlist import ALLOWED_OPS
+
+    sized = 0
+    for name in sorted(ALLOWED_OPS):
+        for arg in resolve_target(name)._schema.arguments:
+            if plain_kind(str(arg.real_type)) in BOUNDED_KINDS:
+                assert meaning_of(arg.name, str(arg.real_type)) is not None, (name, arg.name)
+                sized += 1
+    assert sized > 60
+
+
+def _call_graph(target: str, args: list, kwargs: dict | None = None) -> bytes:
+    return _blob([
+        {"name": "a", "op": "placeholder"},
+        {"name": "c", "op": "call_function", "target": target, "args": args, "kwargs": kwargs or {}},
+        {"name": "output", "op": "output", "args": [{"$t": [{"$n": 1}]}]},
+    ])
+
+
+def _all_to_all(splits: list[int]) -> bytes:
+    return _call_graph("_c10d_functional.all_to_all_single.default",
+                       [{"$n": 0}, splits, splits, {"$group": "tp"}])
+
+
+@pytest.mark.parametrize("parts", [2, 4, 8, 64])
+def test_split_sizes_are_bounded_by_their_sum_not_their_product(parts):
+    """DeepSeek-V3's dispatch at ep 4 sends [512] * 4 rows (a product of 2^36, a sum of 2,048):
+    issue 32, every artifact above ep 2 was refused."""
+    _load(_all_to_all([512] * parts))
+
+
+@pytest.mark.parametrize("splits,why", [([1 << 32, 1 << 32, 1], "add up to"), ([4, -1], "split size -1"),
+                                        ([1] * ((1 << 16) + 1), "split sizes")])
+def test_split_lists_out_of_bounds_are_refused(splits, why):
+    with pytest.raises(GraphFormatError, match=why):
+        _load(_all_to_all(splits))
+
+
+@pytest.mark.parametrize("target,args,why", [
+    # 2^34 elements (64-128 GiB) from one node: a shape's product, an arange's length
+    ("aten.new_zeros.default", [{"$n": 0}, [1 << 17, 1 << 17]], "elements"),
+    ("aten.expand.default", [{"$n": 0}, [1 << 17, 1 << 17]], "elements"),
+    ("aten.slice_backward.default", [{"$n": 0}, [1 << 17, 1 << 17], 0, 0, 1, 1], "elements"),
+    ("aten.arange.default", [1 << 34], "elements"),
+    ("aten.arange.start_step", [-(1 << 33), 1 << 33, 1], "elements"),
+    ("aten.arange.start_step", [0, 10, 0], "non-zero step"),
+    ("aten.arange.start_step", [-1e308, 1e308, 1e-300], "non-zero step"),
+    ("aten.embedding_dense_backward.default", [{"$n": 0}, {"$n": 0}, 1 << 34, -1, False], "count"),
+    ("aten.view.default", [{"$n": 0}, [1] * 9], "dimensions"),
+    ("aten.constant_pad_nd.default", [{"$n": 0}, [1, 2, 3]], "padding"),
+    ("aten.sum.dim_IntList", [{"$n": 0}, [0, 9]], "dimension 9"),
+    ("aten.nll_loss_forward.default", [{"$n": 0}, {"$n": 0}, None, 7, -100], "reduction"),
+])
+def test_sizes_are_bounded_by_what_they_mean(target, args, why):
+    with pytest.raises(GraphFormatError, match=why):
+        _load(_call_graph(target, args))
+
+
+def test_shapes_and_splits_within_their_meaning_load():
+    for target, args in (("aten.new_zeros.default", [{"$n": 0}, [1 << 16, 1 << 16]]),
+                         ("aten.view.default", [{"$n": 0}, [-1, 4096]]),
+                         ("aten.split_with_sizes.default", [{"$n": 0}, [0, 1 << 20, 3], 1]),
+                         ("aten.constant_pad_nd.default", [{"$n": 0}, [0, 1, -1, 0]])):
+        _load(_call_graph(target, args))
+
+
+def test_a_recorded_result_over_the_node_bound_is_refused():
+    nodes = _mm_graph()
+    nodes[2]["val"] = {"shape": [1 << 17, 1 << 17], "stride": [1 << 17, 1], "dtype": "float32"}
+    with pytest.raises(GraphFormatError, match="elements"):
+        _load(_blob(nodes))

@@ -1,0 +1,153 @@
+"""What a rank of a program needs in memory at least, and whether the device (or, for CPU
+ranks, the host) can hold it: checked before any rank starts and before the first step, so that
+a run that cannot fit ends with one line that says what to change, not with an out-of-memory
+kill minutes in (or a host brought down by a crafted artifact's world size).
+
+The estimate is a lower bound, from the program's metadata and its graphs' recorded shapes:
+the fp32 parameters and AdamW's two moments (alive from the first step on), the buffers, and
+the larger of the saved activations (all alive at the end of the forward) and the largest
+single result of either graph. Gradients and other transients come on top, so a program over
+the bound cannot run, and one under it may still not: it never refuses a run that fits.
+No torch import at module level (titan-run's launcher checks before it imports torch)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    import torch.fx as fx
+
+    from titan.runtime.contract.rank_record import RankRecord
+
+GIB = 1 << 30
+PARAM_STATE_BYTES = 16
+"""Per parameter element: the fp32 parameter, its gradient and AdamW's two moments (what
+titan-build reports as params/grads/AdamW)."""
+PARAM_LIVE_BYTES = 12
+"""Per parameter element, alive through the whole step: parameter and the two moments."""
+RANK_PROCESS_BYTES = int(0.4 * GIB)
+"""A CPU rank's process before its program: Python, torch, gloo (a debug rank peaks at 0.30 GiB)."""
+MAX_CPU_RANKS_PER_CORE = 8
+"""CPU ranks per core a host may run: gloo ranks wait in collectives, so a few per core work
+(the tests run 8 on 2 cores); thousands would only thrash."""
+_DTYPE_BYTES = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2,
+                "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class MemoryEstimate:
+    """Bytes one rank of a program holds at least."""
+    param_elements: int
+    """Elements of this rank's parameter shards."""
+    buffers: int
+    """The model's buffers (fp32 / int64)."""
+    activations: int
+    """The larger of the saved activations and the largest single graph result."""
+
+    @property
+    def param_state(self) -> int:
+        return self.param_elements * PARAM_STATE_BYTES
+
+    @property
+    def at_least(self) -> int:
+        return self.param_elements * PARAM_LIVE_BYTES + self.buffers + self.activations
+
+    def describe(self) -> str:
+        return (f"at least {self.at_least / GIB:.2f} GiB per rank (parameters and AdamW state "
+                f"{self.param_elements * PARAM_LIVE_BYTES / GIB:.2f} GiB, activations {self.activations / GIB:.2f} GiB)")
+
+
+def param_elements(record: RankRecord) -> int:
+    return sum(math.prod(p.local_shape) for p in record.params)
+
+
+def _buffer_bytes(record: RankRecord) -> int:
+    return sum(math.prod(b.shape) * _DTYPE_BYTES.get(b.dtype, 8) for b in record.buffers)
+
+
+def estimate_from_record(record: RankRecord) -> MemoryEstimate:
+    """From the program's metadata alone (its saved-activation bytes as titan-build measured
+    them): what titan-run's launcher checks before any rank starts."""
+    return MemoryEstimate(param_elements=param_elements(record), buffers=_buffer_bytes(record),
+                          activations=record.saved_bytes)
+
+
+def _val_bytes(val) -> int:
+    """Bytes of a node's recorded result (graph_decode.py bounds its shape)."""
+    if isinstance(val, list):
+        return sum(_val_bytes(v) for v in val)
+    if isinstance(val, dict) and isinstance(val.get("shape"), list):
+        return math.prod(val["shape"]) * _DTYPE_BYTES.get(val.get("dtype"), 8)
+    return 0
+
+
+def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.GraphModule) -> MemoryEstimate:
+    """From the graphs this rank loaded: the saved activations are the forward's results after
+    the buffer updates and the loss, and no result of either graph is smaller than itself."""
+    fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+    saved = sum(_val_bytes(n.meta.get("titan_val")) for n in fw_out[len(record.mutated_buffers) + 1:]
+                if n is not None)
+    largest = max((_val_bytes(n.meta.get("titan_val")) for g in (forward, backward) for n in g.graph.nodes
+                   if n.op == "call_function"), default=0)
+    return MemoryEstimate(param_elements=param_elements(record), buffers=_buffer_bytes(record),
+                          activations=max(saved, largest))
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_cpu_host(world_size: int, estimate: MemoryEstimate, *, name: str) -> None:
+    """ValueError (one line, with the fix) if this host cannot run `world_size` CPU ranks of a
+    program: more than MAX_CPU_RANKS_PER_CORE per core, or more memory than is available."""
+    cores = os.cpu_count() or 1
+    if world_size > MAX_CPU_RANKS_PER_CORE * cores:
+        raise ValueError(f"{name} has {world_size:,} ranks, more than this host's {cores} core(s) can run on CPU "
+                         f"(at most {MAX_CPU_RANKS_PER_CORE * cores}); run it on GPUs, across hosts with torchrun, "
+                         f"or build a layout with fewer ranks")
+    available = host_memory_available()
+    need = world_size * (RANK_PROCESS_BYTES + estimate.at_least)
+    if available is not None and need > available:
+        raise ValueError(f"{name} needs about {need / GIB:.1f} GiB for its {world_size:,} CPU ranks "
+                         f"({RANK_PROCESS_BYTES / GIB:.1f} GiB per process + {estimate.describe()}), but this host "
+                         f"has {available / GIB:.1f} GiB available; run it on GPUs, across hosts with torchrun, or "
+                         f"build a smaller layout, batch or --ac")
+
+
+def check_local_ranks(world_size: int, record: RankRecord, device: str, *, name: str) -> None:
+    """Before a launcher starts `world_size` ranks of a program here: if they run on CPU
+    (`device` as titan-run's --device), the host must hold them (check_cpu_host)."""
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        check_cpu_host(world_size, estimate_from_record(record), name=name)
+
+
+def check_device(estimate: MemoryEstimate, device: torch.device, *, name: str) -> None:
+    """ValueError (one line, with the fix) if one rank's program cannot fit its GPU (total
+    memory), or CPU ranks' programs cannot fit the host (each rank counts its local peers)."""
+    if device.type == "cuda":
+        import torch
+        total, what = torch.cuda.get_device_properties(device).total_memory, "this GPU has"
+        need = estimate.at_least
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        total, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"the host's {local} rank(s) share"
+        need = estimate.at_least * local
+    if need > total:
+        raise ValueError(f"{name} needs {estimate.describe()}, {need / GIB:.1f} GiB in all, but {what} "
+                         f"{total / GIB:.1f} GiB; build it with more ranks (--tp, --dp-shard, --ep), a smaller "
+                         f"batch or sequence, or --ac full")
