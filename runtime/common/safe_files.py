@@ -153,11 +153,16 @@ def check_depth(doc: Any, max_depth: int, what: str) -> None:
             stack.extend((c, depth + 1) for c in children if isinstance(c, (list, tuple, dict)))
 
 
+# What any document may hold whatever its density: a few KiB of lists and strings cannot expand
+# into much, and small documents (nesting tests, tiny records) are often dense.
+SMALL_DOCUMENT_ALLOWANCE = 1024
+
+
 def check_json_density(data: bytes, what: str) -> None:
     """UnsafeFile if `data` holds more lists, objects or strings than its size allows (the
     brackets and quotes are counted wherever they are, so this never under-counts)."""
     containers, strings = data.count(b"[") + data.count(b"{"), data.count(b'"') // 2
-    if containers > len(data) // JSON_BYTES_PER_CONTAINER + 8 or strings > len(data) // JSON_BYTES_PER_STRING + 8:
+    if containers > len(data) // JSON_BYTES_PER_CONTAINER + SMALL_DOCUMENT_ALLOWANCE or strings > len(data) // JSON_BYTES_PER_STRING + SMALL_DOCUMENT_ALLOWANCE:
         raise UnsafeFile(f"{what} holds {containers:,} lists or objects and {strings:,} strings in "
                          f"{len(data):,} bytes, more than any document titan writes")
 

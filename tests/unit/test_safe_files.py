@@ -80,7 +80,7 @@ def test_a_file_the_user_names_may_be_their_link_but_must_end_at_a_regular_file(
 
 @pytest.mark.parametrize("text, message", [
     ("[" * 33 + "]" * 33, "doc nests deeper than 32 levels"),
-    ("[" * 100_000 + "]" * 100_000, "doc nests deeper than 32 levels"),
+    ("[" * 100_000 + "]" * 100_000, "doc holds 100,000 lists or objects and 0 strings in 200,000 bytes, more than any document titan writes"),
     ('{"a": [[[[{"b": 1}]]]]', "doc is not valid JSON"),
 ])
 def test_json_that_is_malformed_or_too_deep_is_refused(text, message):
