@@ -112,7 +112,9 @@ class GraphProgram:
         self.backward = load_graph(artifact.read_verified(entry.backward), **bind)
         check_graphs(record, self.forward, self.backward, f"{artifact.root} rank {rank}", rank=rank,
                      layout=artifact.layout,
-                     graph_hashes={k: artifact.graph_hash(rank, k) for k in ("forward", "backward")})
+                     graph_hashes={k: artifact.graph_hash(rank, k) for k in ("forward", "backward")},
+                     batch_shape=(artifact.manifest.batch_size, artifact.manifest.seq_len),
+                     vocab_size=artifact.manifest.vocab_size)
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
         self.fusion = compile_program_regions(self.forward, self.backward, device, artifact=artifact)
         self.inputs = record.forward_inputs

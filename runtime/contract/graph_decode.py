@@ -34,6 +34,8 @@ import torch.fx as fx
 from titan.runtime.contract.bindings import bind_value
 from titan.runtime.contract.graph_doc import (BIND, DEVICE, DTYPE, FORMAT, GROUP, LAYOUT, MAX_ELEMENTS,  # noqa: F401
                                              MEMORY_FORMAT, NODE, TUPLE, VERSION, GraphFormatError, read_doc)
+from titan.runtime.contract.dtypes import DTYPE_NAMES
+from titan.runtime.contract.node_fields import MAX_RANK, check_val
 from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 
 # A fusion region tag: "<kind>#<n>"; runtime/fusion.py compiles each region.
@@ -46,10 +48,10 @@ REGION_KINDS = {
     "fuse_blocks": frozenset({"block"}),
 }
 MAX_NODES = 1 << 20
-MAX_RANK = 8
-"""Tensors have at most this many dimensions; `dim` arguments are bounded by it."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 BUILTIN_TARGETS: dict[str, Callable] = {"getitem": operator.getitem}
+_MODULE_ATTRIBUTES = frozenset(dir(torch.nn.Module()))
+"""What a get_attr target may not name: the graph module's own attributes and methods."""
 
 
 def target_name(target: Any) -> str:
@@ -81,9 +83,7 @@ def resolve_target(name: str) -> Callable:
         raise GraphFormatError(f"op {name!r} does not exist in torch {torch.__version__}") from e
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _LAYOUTS = {"strided": torch.strided}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format}
 
@@ -100,8 +100,9 @@ def _check_int(v: int, where: str) -> None:
         raise GraphFormatError(f"{where}: integer {v} is beyond the allowed bound")
 
 
-def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -> None:
-    """Arity and argument kinds against the op's schema; sizes within bounds."""
+def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int, groups: dict[str, str]) -> None:
+    """Arity and argument kinds against the op's schema; sizes within bounds; process groups only
+    as the mesh dimensions this process bound (`groups`), never a literal group name."""
     if target is operator.getitem:
         if len(args) != 2 or kwargs or not isinstance(args[0], fx.Node) or not isinstance(args[1], int):
             raise GraphFormatError(f"node {i}: getitem takes (node, int)")
@@ -125,6 +126,7 @@ def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -
         where = f"node {i} ({name}) argument {arg}"
         _check_kind(bound[arg], kind, where)
         _check_bound(arg, bound[arg], where)
+        _check_str_value(arg, bound[arg], where, groups)
 
 
 _SIGNATURES: dict = {}
@@ -157,6 +159,25 @@ def _check_bound(arg: str, v, where: str) -> None:
         raise GraphFormatError(f"{where}: group size {v} is out of range")
     if isinstance(v, (list, tuple)) and len(v) > 4 * MAX_RANK:
         raise GraphFormatError(f"{where}: list of {len(v)} values is too long")
+
+
+# String arguments take only these values: anything else fails inside torch at run time. A group
+# name is never written as a literal: the graph names a mesh dimension ({"$group": "tp"}), and the
+# name it decodes to is one this process bound.
+_STR_VALUES = {"reduce_op": frozenset({"sum", "avg", "product", "min", "max", "band", "bor", "bxor"}),
+               "side": frozenset({"left", "right"})}
+
+
+class _BoundGroup(str):
+    """A process-group name decoded from {"$group": dim}: the only kind of group_name accepted."""
+
+
+def _check_str_value(arg: str, v, where: str, groups: dict[str, str]) -> None:
+    if arg == "group_name" and not (isinstance(v, _BoundGroup) and v in groups.values()):
+        raise GraphFormatError(f"{where}: a literal process group {str(v)[:40]!r}; a graph names its groups "
+                               "by mesh dimension")
+    if arg in _STR_VALUES and v is not None and v not in _STR_VALUES[arg]:
+        raise GraphFormatError(f"{where}: {str(v)[:40]!r} is not one of {', '.join(sorted(_STR_VALUES[arg]))}")
 
 
 _DECODED_KINDS = {"ScalarType": torch.dtype, "Layout": torch.layout, "Device": torch.device,
@@ -242,7 +263,7 @@ def _decode_value(v: Any, nodes: list[fx.Node], here: int, ctx: "_DecodeContext"
             if arg not in ctx.groups:
                 raise GraphFormatError(f"node {here}: process group {arg!r} is not a mesh dimension here "
                                        f"({', '.join(ctx.groups) or 'none'})")
-            return ctx.groups[arg]
+            return _BoundGroup(ctx.groups[arg])
         if key == BIND:
             return bind_value(arg, ctx.coords, f"node {here}")
     raise GraphFormatError(f"node {here}: cannot decode value {v!r}")
@@ -300,12 +321,14 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
             if not isinstance(target_str, str):
                 raise GraphFormatError(f"node {i}: target is not a string")
             fn = resolve_target(target_str)
-            _check_call(fn, target_str, args, kwargs, i)
+            _check_call(fn, target_str, args, kwargs, i, ctx.groups)
             node = graph.create_node("call_function", fn, tuple(args), kwargs, name=name)
         elif op == "get_attr":
             target = rec.get("target")
             if not isinstance(target, str) or not _NAME.fullmatch(target) or target not in constants:
-                raise GraphFormatError(f"node {i}: constant {target!r} is missing")
+                raise GraphFormatError(f"node {i}: constant {str(target)[:40]!r} is missing")
+            if target in _MODULE_ATTRIBUTES:  # would read the module itself (a method, `training`), not a constant
+                raise GraphFormatError(f"node {i}: constant {target!r} names an attribute of a module")
             if not hasattr(root, target):
                 root.register_buffer(target, constants[target].to(device))
             node = graph.get_attr(target)
@@ -318,6 +341,7 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
             node = graph.output(tuple(args[0]))
         else:
             raise GraphFormatError(f"node {i}: unknown op kind {op!r}")
+        check_val(rec.get("val"), f"node {i}")
         node.meta["titan_val"] = rec.get("val")
         region = rec.get("region")
         if region is not None:
