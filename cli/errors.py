@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from titan.cli import terminal
+from titan.runtime import terminal
 
 
 class _OneLineErrors:

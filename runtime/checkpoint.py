@@ -88,9 +88,9 @@ def read_state(step_dir: Path) -> dict:
 
     path = step_dir / STATE_FILE
     try:
-        state = read_json(path, what=str(path))
+        state = read_json(path, what=STATE_FILE)
     except UnsafeFile as e:
-        raise ValueError(f"{e}; resume from another step directory") from None
+        raise ValueError(f"{path} is not readable JSON ({e}); resume from another step directory") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a titan checkpoint description; resume from a --checkpoint-dir "
                          "written by titan-run")

@@ -44,7 +44,7 @@ def _checked(rec, where: str) -> dict:
     hint = "is this a titan-run --metrics file?"
     missing = [k for k in REQUIRED if not isinstance(rec, dict) or k not in rec]
     if missing:
-        raise ValueError(f"{where} lacks {', '.join(missing)}; {hint}")
+        raise ValueError(f"{where} lacks {', '.join(missing)} (numbers); {hint}")
 
     def number(key: str, *, finite: bool) -> float:
         v = rec[key]

@@ -358,7 +358,7 @@ def test_artifact_strings_reach_the_terminal_escaped(arts, tmp_path):
 
 
 def test_escape_controls_keeps_newlines_and_tabs_and_escapes_the_rest():
-    from titan.cli.terminal import escape_controls
+    from titan.runtime.terminal import escape_controls
 
     assert escape_controls("a\tb\nc") == "a\tb\nc"
     assert escape_controls("\x1b[31m\x9b\x00\u2066x\ufeff") == "\\x1b[31m\\x9b\\x00\\u2066x\\ufeff"

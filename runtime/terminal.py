@@ -1,11 +1,12 @@
-"""What titan commands write to a terminal: every control character escaped.
+"""What titan commands write to a terminal: every control character escaped. Standard library only.
 
 Artifacts, checkpoints, metrics files and cache records are untrusted, and their strings
 (parameter names, node names, model fields, error details) reach the terminal through the
 commands' output: a raw escape sequence in one could retitle the window, hide lines or rewrite
-what the user reads (issue 29). titan's own output uses no control characters but newline and
-tab, so every command's stdout and stderr pass through EscapingStream (cli/errors.py installs
-it), which writes any other one as a visible escape (`\\x1b`, `\\u202e`)."""
+what the user reads (issue 29). So every command's stdout and stderr pass through EscapingStream
+(cli/errors.py installs it), which writes any control character but newline and tab as a visible
+escape (`\\x1b`, `\\u202e`). titan's own status line (progress.py) is the one writer of control
+sequences: it writes them to the stream under the escaping one (`unescaped`), its text escaped."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ class EscapingStream(io.TextIOBase):
 
     def __init__(self, stream):
         self._stream = stream
+
+    @property
+    def unescaped(self):
+        """The stream written to, for titan's own control sequences (progress.StatusLine)."""
+        return self._stream
 
     def write(self, text: str) -> int:
         self._stream.write(escape_controls(text))
