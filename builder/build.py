@@ -68,7 +68,7 @@ def nearest_entry(cache: Cache, factors: dict) -> tuple[str, list[str]] | None:
 
 
 def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambda res: None,
-          on_wait=None, on_miss=lambda reason: None,
+          on_wait=None, on_give_up=None, on_miss=lambda reason: None,
           on_stage: Callable[[int, str], None] = lambda rank, stage: None) -> BuildOutcome:
     """Build through the cache: a hit traces nothing; a miss traces the probe ranks the cache
     lacks (a killed build's finished ranks are reused) and makes one program of them (or, when
@@ -85,7 +85,7 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
 
     factors = build_factors(spec)
     key = digest(factors)
-    lock = cache.lock(key, on_wait=on_wait)
+    lock = cache.lock(key, on_wait=on_wait, on_give_up=on_give_up)
     try:
         entry, reason = cache.get_entry(key)
         traced: list[int] = []

@@ -66,12 +66,14 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     from titan.builder.spec.cache_key import build_factors, digest
     import titan.runtime.common.timings as timings
     from titan.runtime.memory_estimate import PARAM_STATE_BYTES, param_elements
+    from titan.runtime.store.lock import LOCK_WAIT_ENV, lock_wait_s
     from titan.cli.build_progress import BuildProgress
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
                      batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac, fuse=fuse,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p))
     out = out or Path("artifacts") / spec.name
+    lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work
     if not replace:
         check_replaceable(spec, out)
     jobs = jobs or os.cpu_count() or 1
@@ -109,7 +111,10 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
 
     try:
         outcome = build(spec, out, cache=cache, jobs=jobs, progress=progress, on_miss=on_miss, on_stage=shown.stage,
-                        on_wait=lambda: click.echo("waiting for another titan-build of the same key"))
+                        on_wait=lambda holder: click.echo(f"waiting for {holder}, which holds this build's lock "
+                                                          f"(at most {lock_wait_s():.0f} s, {LOCK_WAIT_ENV})"),
+                        on_give_up=lambda holder, waited: click.echo(
+                            f"note: {holder} still holds this build's lock after {waited:.0f} s; building without it"))
     finally:
         shown.finish()
     if outcome.hit:

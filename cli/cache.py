@@ -149,7 +149,7 @@ def verify_cmd(ctx, remove):
         remove_planted(root)
         remove_planted(root / "kernels")
     cache = _cache(ctx)
-    checked, bad, tampered = cache.verify(remove=remove)
+    checked, bad, tampered, others = cache.verify(remove=remove)
     for sha in bad:
         click.echo(f"corrupt: {sha}{' (removed)' if remove else ''}")
     k_checked, k_bad, k_tampered = _kernels(cache).verify(remove=remove)
@@ -158,8 +158,9 @@ def verify_cmd(ctx, remove):
     for problem in tampered + k_tampered:
         click.echo(f"tampered: {problem}{' (removed)' if remove else ''}")
     n_tampered = len(planted) + len(tampered) + len(k_tampered)
+    theirs = f"; {others} records of other users kept as theirs (not judged with your key)" if others else ""
     click.echo(f"verified {checked} blobs: {len(bad)} corrupt; {k_checked} kernels: {len(k_bad)} corrupt; "
-               f"{n_tampered} tampered")
+               f"{n_tampered} tampered{theirs}")
     sys.exit(1 if bad or k_bad or n_tampered else 0)
 
 

@@ -15,6 +15,8 @@ import sys
 
 import click
 
+import titan.runtime.common.terminal as terminal
+
 
 class _OneLineErrors:
     def __init__(self, *args, context_settings: dict | None = None, **kwargs):
@@ -23,6 +25,7 @@ class _OneLineErrors:
 
     def main(self, args=None, prog_name=None, **kwargs):
         kwargs.pop("standalone_mode", None)
+        terminal.install()  # strings from untrusted files reach the terminal escaped
         try:
             code = super().main(args, prog_name, standalone_mode=False, **kwargs)
         except click.ClickException as e:

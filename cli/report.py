@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import click
 
 from titan.cli.errors import Command
 from titan.cli.options import NonEmptyPath
+from titan.runtime.common.safe_files import replace_file
 
 PLOT_HINT = "pip install -e '.[watch]' from a clone (or: pip install matplotlib)"
 # Panel size in inches at DPI: the PNG is 800 px wide and 250 px high per panel.
@@ -57,10 +59,10 @@ def plot(records: list[dict], out: Path, *, title: str) -> None:
     axes[-1].set_xlabel("step")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=DPI)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=DPI)
     plt.close(fig)
-    tmp.replace(out)
+    replace_file(out, png.getvalue())
 
 
 if __name__ == "__main__":

@@ -36,12 +36,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titan.runtime.contract.graph_doc import MAX_ELEMENTS
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
 from titan.runtime.contract.shards import shard_box
 
 STATE_FILE = "titan.json"
 CHECKPOINT_FORMAT = "titan-checkpoint"
 CHECKPOINT_VERSION = 1
+MAX_STEP = 1 << 53
 _STEP_DIR = re.compile(r"step-(\d{8})")
 
 
@@ -80,18 +82,56 @@ def resolve_checkpoint(path: str | os.PathLike, *, flag: str, step_dir_ok: bool)
 
 
 def read_state(step_dir: Path) -> dict:
+    """The step directory's titan.json, bounded in size and nesting, with every value titan
+    reads from it checked (a checkpoint is untrusted input, as an artifact is)."""
+    from titan.runtime.common.safe_files import UnsafeFile, read_json
+
     path = step_dir / STATE_FILE
     try:
-        state = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        state = read_json(path, what=STATE_FILE)
+    except UnsafeFile as e:
         raise ValueError(f"{path} is not readable JSON ({e}); resume from another step directory") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a titan checkpoint description; resume from a --checkpoint-dir "
                          "written by titan-run")
     if state.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{path} has checkpoint version {state.get('version')!r}; this titan reads version "
-                         f"{CHECKPOINT_VERSION}")
+        raise ValueError(f"{path} has checkpoint version {str(state.get('version'))[:20]!r}; this titan reads "
+                         f"version {CHECKPOINT_VERSION}")
+    _check_state(state, path)
     return state
+
+
+def _check_state(state: dict, path: Path) -> None:
+    def bad(what: str):
+        raise ValueError(f"{path}: {what}; it was not written by titan-run (or was edited): use another checkpoint")
+
+    for key in ("step", "optimizer_steps", "seq_len"):
+        v = state.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_STEP:
+            bad(f"{key} {str(v)[:40]!r} is not an integer in [0, 2^53]")
+    for key in ("model_config", "hf_config", "settings"):
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            bad(f"{key} is not a map")
+    if not isinstance(state.get("model_config"), dict):
+        bad("it has no model_config")
+    for key in ("params", "buffers"):
+        shapes = state.get(key, {})
+        if not isinstance(shapes, dict) or (key == "params" and not shapes):
+            bad(f"{key} is not a map of tensor names to shapes")
+        for fqn, shape in shapes.items():
+            if not _is_shape(shape):
+                bad(f"{key} {fqn[:80]!r} has shape {str(shape)[:60]}, not at most 8 dimensions of at most "
+                    f"2^34 elements in all")
+
+
+def _is_shape(shape) -> bool:
+    if not isinstance(shape, list) or len(shape) > 8 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape):
+        return False
+    total = 1
+    for d in shape:
+        total *= d
+    return total <= MAX_ELEMENTS
 
 
 def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: tuple[ParamSpec, ...],

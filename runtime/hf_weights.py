@@ -33,6 +33,10 @@ from titan.runtime.contract.shards import ShardBox, shard_box
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HF_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+"""safetensors dtypes a parameter may be read from (the names safetensors' get_dtype() gives)."""
+
+
 def titan_rows_from_hf(head_dim: int) -> torch.Tensor:
     """Index i: the HF row (within a head) that holds titan row i."""
     return torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)
@@ -172,6 +176,11 @@ class HFCheckpoint:
         else:
             names, each = [self.names[fqn]], shape
         for name in names:
+            stored = self._slice(name).get_dtype()
+            if stored not in HF_FLOAT_DTYPES:  # an integer or exotic dtype would be cast silently, or fail in torch
+                raise ValueError(f"--init-from-hf {self.root}: {name} is stored as {str(stored)[:20]}, not a float "
+                                 f"dtype ({', '.join(HF_FLOAT_DTYPES)}); use the checkpoint of the model the artifact "
+                                 "was built for")
             found = list(self._slice(name).get_shape())
             if found != each:
                 raise ValueError(f"--init-from-hf {self.root}: {name} has shape {found} but the artifact's {fqn} "

@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 
 REQUIRED = ("step", "loss", "tokens_per_s", "step_time_s")
+MAX_STEP = 1 << 53
+"""Steps are integers a float holds exactly (what the plot's axis takes)."""
 MAX_METRICS_BYTES = 1 << 30
 """A million steps of metrics are ~150 MB."""
 
@@ -29,14 +31,41 @@ def read_metrics(path: str | Path) -> list[dict]:
             check_depth(rec, 8, f"{path}: line {number}")
         except (ValueError, RecursionError):
             raise ValueError(f"{path}: line {number} is not JSON; is this a titan-run --metrics file?") from None
-        missing = [k for k in REQUIRED if not isinstance(rec, dict) or not isinstance(rec.get(k), (int, float))]
-        if missing:
-            raise ValueError(f"{path}: line {number} lacks {', '.join(missing)} (numbers); "
-                             "is this a titan-run --metrics file?")
-        records.append(rec)
+        records.append(_checked(rec, f"{path}: line {number}"))
     if not records:
         raise ValueError(f"{path} holds no steps; point titan-report at the file a run wrote with --metrics")
     return records
+
+
+def _checked(rec, where: str) -> dict:
+    """A step's record with every value titan-report uses checked: `step` an integer in
+    [0, 2^53], `loss` a number (NaN or infinite: a diverged run), throughput and times finite
+    numbers >= 0, `peak_mem_gib` (if present) too. Values become floats here, once."""
+    hint = "is this a titan-run --metrics file?"
+    missing = [k for k in REQUIRED if not isinstance(rec, dict) or k not in rec]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)} (numbers); {hint}")
+
+    def number(key: str, *, finite: bool) -> float:
+        v = rec[key]
+        try:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError
+            x = float(v)  # an integer of 400 digits does not fit: OverflowError
+        except (TypeError, OverflowError):
+            raise ValueError(f"{where}: {key} is {str(v)[:40]!r}, not a number; {hint}") from None
+        if finite and not (math.isfinite(x) and x >= 0):
+            raise ValueError(f"{where}: {key} is {x}, not a finite number >= 0; {hint}")
+        return x
+
+    step = rec["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"{where}: step {str(step)[:40]!r} is not an integer in [0, 2^53]; {hint}")
+    out = dict(rec, loss=number("loss", finite=False), tokens_per_s=number("tokens_per_s", finite=True),
+               step_time_s=number("step_time_s", finite=True))
+    if "peak_mem_gib" in rec:
+        out["peak_mem_gib"] = number("peak_mem_gib", finite=True)
+    return out
 
 
 def summary(records: list[dict]) -> list[str]:

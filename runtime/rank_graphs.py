@@ -23,7 +23,9 @@ def load_rank_graphs(artifact: Artifact, rank: int, *, device: torch.device,
     forward = load_graph(artifact.read_verified(entry.forward, max_size=MAX_GRAPH_BYTES), **bind)
     backward = load_graph(artifact.read_verified(entry.backward, max_size=MAX_GRAPH_BYTES), **bind)
     check_graphs(artifact.rank_record(rank), forward, backward, f"{artifact.root} rank {rank}", rank=rank,
-                 layout=artifact.layout, graph_hashes={k: artifact.graph_hash(rank, k) for k in ("forward", "backward")})
+                 layout=artifact.layout, graph_hashes={k: artifact.graph_hash(rank, k) for k in ("forward", "backward")},
+                 batch_shape=(artifact.manifest.batch_size, artifact.manifest.seq_len),
+                 vocab_size=artifact.manifest.vocab_size)
     return forward, backward
 
 

@@ -13,14 +13,15 @@ torch._dynamo nor torch._inductor (tests/e2e/test_runtime_minimal.py checks it).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import TextIO
 
-from titan.runtime.common import interrupt
+import titan.runtime.common.interrupt as interrupt
+from titan.runtime.metrics_file import MAX_METRICS_BYTES
 from titan.runtime.common.progress import StatusLine, bar, duration, is_terminal
+from titan.runtime.common.safe_files import UnsafeFile, read_user_file, replace_file
 
 TENSORBOARD_HINT = "pip install -e '.[watch]' from a clone (or: pip install tensorboard)"
 SCALARS = ("loss", "tokens_per_s", "step_time_s", "peak_mem_gib", "expert_load_max", "expert_load_mean",
@@ -43,9 +44,12 @@ def keep_steps_through(path: str, step: int) -> None:
     rename, so an interrupt leaves the old file or the new one."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return
+        text = read_user_file(path, max_size=MAX_METRICS_BYTES, what=f"--metrics {path}")
+    except UnsafeFile as e:
+        if "is missing" in str(e):
+            return
+        raise ValueError(f"{e}; give --metrics a regular file") from None
+    lines = text.decode(errors="replace").splitlines()
     kept = []
     for line in lines:
         try:
@@ -54,10 +58,8 @@ def keep_steps_through(path: str, step: int) -> None:
             continue  # a line cut by a crash
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
             kept.append(line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
     with interrupt.deferred():
-        os.replace(tmp, path)
+        replace_file(path, "".join(kept).encode())
 
 
 class StepLog:

@@ -92,6 +92,16 @@ def param_spec(fqn: str, global_shape: list[int], slices: list[list[int]]):
                      placements={}, slices=tuple(map(tuple, slices)), init={"kind": "zeros"})
 
 
+def own(name: str) -> str:
+    """A cache record's, marker's or lock's file name stem for this user (runtime/store/record.py)."""
+    return f"{name}@{os.geteuid()}"
+
+
+def cache_record(path: Path) -> dict:
+    """The JSON of a cache record file (after its `titan-record-v2 <mac>` header line)."""
+    return json.loads(path.read_bytes().split(b"\n", 1)[1])
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

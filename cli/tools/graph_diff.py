@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from titan.runtime.contract.artifact import Artifact
 from titan.runtime.contract.bindings import bind_value
-from titan.runtime.contract.graph_doc import BIND, GROUP, NODE, read_doc
+from titan.runtime.contract.graph_doc import BIND, GROUP, NODE
+from titan.runtime.contract.node_fields import read_printable_doc
 from titan.runtime.contract.rank_record import Bucket, RankRecord
 
 CATEGORIES = ("manifest", "rank metadata", "static inputs", "bucket plan", "op targets", "inserted", "removed",
@@ -284,9 +285,9 @@ def diff_ranks(left: Artifact, left_rank: int, right: Artifact, right_rank: int,
     for kind in graphs:
         ha, hb = left.graph_hash(left_rank, kind), right.graph_hash(right_rank, kind)
         report.same_blobs[kind] = ha == hb
-        a = read_doc(left.read_verified(getattr(ea, kind)))
+        a = read_printable_doc(left.read_verified(getattr(ea, kind)))
         # One program: the same nodes, compared for the values each rank binds.
-        b = a if ha == hb else read_doc(right.read_verified(getattr(eb, kind)))
+        b = a if ha == hb else read_printable_doc(right.read_verified(getattr(eb, kind)))
         report.differences += _GraphDiff(kind, a["nodes"], b["nodes"], ca, cb).run()
         if a.get("constants") != b.get("constants"):
             report.differences.append(Difference(kind, "constants", "tensor constants differ"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from titan.runtime.contract.artifact import Artifact
 from titan.runtime.contract.bindings import Binding
-from titan.runtime.contract.graph_doc import BIND, DEVICE, DTYPE, GROUP, NODE, TUPLE, read_doc
+from titan.runtime.contract.graph_doc import BIND, DEVICE, DTYPE, GROUP, NODE, TUPLE
+from titan.runtime.contract.node_fields import read_printable_doc
 from titan.runtime.contract.rank_record import RankRecord
 
 _C10D = "_c10d_functional."
@@ -57,7 +58,7 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
     def fmt(a) -> str:
         return _fmt_arg(a, coords)
 
-    doc = read_doc(art.read_verified(rel))
+    doc = read_printable_doc(art.read_verified(rel))
     nodes = doc["nodes"]
     sha = art.graph_hash(rank, kind)
     n_saved = meta.saved_activations

@@ -26,6 +26,8 @@ import json
 import os
 import re
 import secrets
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -66,6 +68,34 @@ def _is_tokenizers_json(path: Path) -> bool:
         return f.read(64).lstrip().startswith(b"{")
 
 
+def _library_call(fn: Callable, path: Path, doing: str):
+    """fn(), a call into a tokenizer library, whose failures become one ValueError line: the Rust
+    libraries raise plain Exception for bad input, and a panic inside them (a tokenizer.json whose
+    post-processor names a token it lacks; issue 29) surfaces as pyo3's PanicException, a
+    BaseException. Rust writes a panic's own report (a backtrace, with RUST_BACKTRACE) to stderr
+    before Python sees it, so stderr is held aside during the call and dropped on a failure."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                result = fn()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # PanicException is a BaseException
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise ValueError(f"--tokenizer {path} failed while {doing} ({first}); "
+                                 "fix the tokenizer file or use another: the tokenizer library itself fails on it") from None
+            finally:
+                os.dup2(saved, 2)
+            held.seek(0)
+            os.write(2, held.read(1 << 16))  # a success: what the library printed is the user's to see
+            return result
+    finally:
+        os.close(saved)
+
+
 def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str | None = None) -> TextTokenizer:
     """A tokenizer.json or a tiktoken ranks file (told apart by content); `eos` names the
     separator token ('none' for no separator, None for the EOS_CANDIDATES rule);
@@ -82,16 +112,13 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str | None = N
         except ImportError:
             raise ValueError(f"--tokenizer {path} is a tokenizer.json, which needs the tokenizers package: "
                              f"{INSTALL_HINT}") from None
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the Rust library raises plain Exception for a malformed file
-            raise ValueError(f"--tokenizer {path}: not a valid tokenizer.json ({e})") from None
+        tok = _library_call(lambda: Tokenizer.from_file(str(path)), path, "loading it as a tokenizer.json")
         ids = list(tok.get_vocab(with_added_tokens=True).values())
         vocab = max(tok.get_vocab_size(with_added_tokens=True), max(ids) + 1 if ids else 0)
         lookup = tok.token_to_id
 
         def encode(texts: list[str]) -> list[list[int]]:
-            return [e.ids for e in tok.encode_batch(texts)]
+            return [e.ids for e in _library_call(lambda: tok.encode_batch(texts), path, "encoding text")]
         record.update(kind="tokenizers", spec=None)
     else:
         try:
@@ -115,7 +142,8 @@ def load_tokenizer(path: Path, *, eos: str | None, tiktoken_spec: str | None = N
 
         def encode(texts: list[str]) -> list[list[int]]:
             pieces = [_llama3_pieces(t) for t in texts]
-            ids = iter(enc.encode_ordinary_batch([p for ps in pieces for p in ps]))
+            ids = iter(_library_call(lambda: enc.encode_ordinary_batch([p for ps in pieces for p in ps]), path,
+                                     "encoding text"))
             return [[bos, *(i for _ in ps for i in next(ids))] for ps in pieces]
         record.update(kind="tiktoken", spec=tiktoken_spec)
     if eos == "none":

@@ -10,6 +10,8 @@ import os
 import shutil
 from typing import TextIO
 
+from titan.runtime.common.terminal import escape_controls
+
 CLEAR_TO_END = "\x1b[K"
 
 
@@ -32,27 +34,30 @@ def duration(seconds: float) -> str:
 
 
 class StatusLine:
-    """One line on a terminal, redrawn with a carriage return, cut to the terminal's width."""
+    """One line on a terminal, redrawn with a carriage return, cut to the terminal's width. Its
+    control sequences go to the stream under an escaping one (terminal.py); its text is escaped."""
 
     def __init__(self, stream: TextIO):
         self.stream = stream
         self.shown = False
 
+    def _write(self, controls: str, text: str = "", end: str = "") -> None:
+        raw = getattr(self.stream, "unescaped", self.stream)
+        raw.write(controls + escape_controls(text) + end)
+        raw.flush()
+
     def update(self, text: str) -> None:
         width = shutil.get_terminal_size((100, 24)).columns
-        self.stream.write("\r" + text[:max(10, width - 1)] + CLEAR_TO_END)
-        self.stream.flush()
+        self._write("\r", text[:max(10, width - 1)], CLEAR_TO_END)
         self.shown = True
 
     def print_above(self, text: str) -> None:
         """A permanent line; the status line is redrawn by the next update."""
-        self.stream.write(("\r" + CLEAR_TO_END if self.shown else "") + text + "\n")
-        self.stream.flush()
+        self._write("\r" + CLEAR_TO_END if self.shown else "", text, "\n")
         self.shown = False
 
     def finish(self) -> None:
         """Leave the last status on screen and move below it."""
         if self.shown:
-            self.stream.write("\n")
-            self.stream.flush()
+            self._write("\n")
             self.shown = False

@@ -15,6 +15,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,26 @@ def read_regular(root: Path, rel: str, *, max_size: int, what: str, sha256: str 
             os.close(dir_fd)
     finally:
         os.close(root_fd)
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temp file beside it, then rename it into place: readers
+    see the old file or the whole new one. The temp file has an unpredictable name and is created
+    exclusively without following links (O_EXCL | O_NOFOLLOW), so nothing planted beside the
+    target (a link at a guessable temp name) can redirect the write (issue 29)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def check_depth(doc: Any, max_depth: int, what: str) -> None:

@@ -38,6 +38,8 @@ from titan.runtime.contract.bindings import bind_value
 from titan.runtime.contract.graph_doc import (BIND, DEVICE, DTYPE, FORMAT, GROUP, LAYOUT, MAX_ELEMENTS,  # noqa: F401
                                              MAX_NODES, MEMORY_FORMAT, NODE, TUPLE, VERSION, GraphFormatError,
                                              read_doc)
+from titan.runtime.contract.dtypes import DTYPE_NAMES
+from titan.runtime.contract.node_fields import check_val
 from titan.runtime.contract.op_allowlist import ALLOWED_OPS
 
 # A fusion region tag: "<kind>#<n>"; runtime/kernels/fusion.py compiles each region.
@@ -51,6 +53,8 @@ REGION_KINDS = {
 }
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 BUILTIN_TARGETS: dict[str, Callable] = {"getitem": operator.getitem}
+_MODULE_ATTRIBUTES = frozenset(dir(torch.nn.Module()))
+"""What a get_attr target may not name: the graph module's own attributes and methods."""
 
 
 def target_name(target: Any) -> str:
@@ -82,9 +86,7 @@ def resolve_target(name: str) -> Callable:
         raise GraphFormatError(f"op {name!r} does not exist in torch {torch.__version__}") from e
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _LAYOUTS = {"strided": torch.strided}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format}
 
@@ -101,8 +103,9 @@ def _check_int(v: int, where: str) -> None:
         raise GraphFormatError(f"{where}: integer {v} is beyond the allowed bound")
 
 
-def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -> None:
-    """Arity and argument kinds against the op's schema; sizes within bounds."""
+def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int, groups: dict[str, str]) -> None:
+    """Arity and argument kinds against the op's schema; sizes within bounds; process groups only
+    as the mesh dimensions this process bound (`groups`), never a literal group name."""
     if target is operator.getitem:
         if len(args) != 2 or kwargs or not isinstance(args[0], fx.Node) or not isinstance(args[1], int):
             raise GraphFormatError(f"node {i}: getitem takes (node, int)")
@@ -127,6 +130,7 @@ def _check_call(target: Callable, name: str, args: list, kwargs: dict, i: int) -
         _check_kind(bound[arg], kind, where)
         if meaning is not None:  # bounded by what it means (arg_bounds.py)
             check_meaning(meaning, bound[arg], where)
+        _check_str_value(arg, bound[arg], where, groups)
     if target is _ARANGE or target is _ARANGE_START_STEP:
         check_arange(bound, f"node {i} ({name})")
 
@@ -149,6 +153,27 @@ def _signature(target) -> tuple[tuple[str, ...], dict[str, tuple[str, bool, Mean
 
 
 _ARANGE, _ARANGE_START_STEP = torch.ops.aten.arange.default, torch.ops.aten.arange.start_step
+
+
+# String arguments take only these values: anything else fails inside torch at run time. A group
+# name is never written as a literal: the graph names a mesh dimension ({"$group": "tp"}), and the
+# name it decodes to is one this process bound.
+_STR_VALUES = {"reduce_op": frozenset({"sum", "avg", "product", "min", "max", "band", "bor", "bxor"}),
+               "side": frozenset({"left", "right"})}
+
+
+class _BoundGroup(str):
+    """A process-group name decoded from {"$group": dim}: the only kind of group_name accepted."""
+
+
+def _check_str_value(arg: str, v, where: str, groups: dict[str, str]) -> None:
+    if arg == "group_name" and not (isinstance(v, _BoundGroup) and v in groups.values()):
+        raise GraphFormatError(f"{where}: a literal process group {str(v)[:40]!r}; a graph names its groups "
+                               "by mesh dimension")
+    if arg in _STR_VALUES and v is not None and v not in _STR_VALUES[arg]:
+        raise GraphFormatError(f"{where}: {str(v)[:40]!r} is not one of {', '.join(sorted(_STR_VALUES[arg]))}")
+
+
 _DECODED_KINDS = {"ScalarType": torch.dtype, "Layout": torch.layout, "Device": torch.device,
                   "MemoryFormat": torch.memory_format}
 
@@ -193,19 +218,6 @@ def _check_kind(v, kind: str, where: str) -> None:
         raise GraphFormatError(f"{where}: expected {kind}, got {type(v).__name__}")
 
 
-def _checked_val(val, i: int):
-    """A node's recorded result, its tensors' element counts bounded as a node's output: the
-    memory estimate (memory_estimate.py) and the tools read these shapes."""
-    for t in val if isinstance(val, list) else [val]:
-        if isinstance(t, dict) and "shape" in t:
-            shape = t["shape"]
-            if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
-                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                raise GraphFormatError(f"node {i}: recorded shape {str(shape)[:80]} is not a shape")
-            check_elements(math.prod(shape), f"node {i}: recorded result")
-    return val
-
-
 def _decode_value(v: Any, nodes: list[fx.Node], here: int, ctx: "_DecodeContext") -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
@@ -235,7 +247,7 @@ def _decode_value(v: Any, nodes: list[fx.Node], here: int, ctx: "_DecodeContext"
             if arg not in ctx.groups:
                 raise GraphFormatError(f"node {here}: process group {arg!r} is not a mesh dimension here "
                                        f"({', '.join(ctx.groups) or 'none'})")
-            return ctx.groups[arg]
+            return _BoundGroup(ctx.groups[arg])
         if key == BIND:
             return bind_value(arg, ctx.coords, f"node {here}")
     raise GraphFormatError(f"node {here}: cannot decode value {v!r}")
@@ -293,12 +305,14 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
             if not isinstance(target_str, str):
                 raise GraphFormatError(f"node {i}: target is not a string")
             fn = resolve_target(target_str)
-            _check_call(fn, target_str, args, kwargs, i)
+            _check_call(fn, target_str, args, kwargs, i, ctx.groups)
             node = graph.create_node("call_function", fn, tuple(args), kwargs, name=name)
         elif op == "get_attr":
             target = rec.get("target")
             if not isinstance(target, str) or not _NAME.fullmatch(target) or target not in constants:
-                raise GraphFormatError(f"node {i}: constant {target!r} is missing")
+                raise GraphFormatError(f"node {i}: constant {str(target)[:40]!r} is missing")
+            if target in _MODULE_ATTRIBUTES:  # would read the module itself (a method, `training`), not a constant
+                raise GraphFormatError(f"node {i}: constant {target!r} names an attribute of a module")
             if not hasattr(root, target):
                 root.register_buffer(target, constants[target].to(device))
             node = graph.get_attr(target)
@@ -311,7 +325,8 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
             node = graph.output(tuple(args[0]))
         else:
             raise GraphFormatError(f"node {i}: unknown op kind {op!r}")
-        node.meta["titan_val"] = _checked_val(rec.get("val"), i)
+        check_val(rec.get("val"), f"node {i}")
+        node.meta["titan_val"] = rec.get("val")
         region = rec.get("region")
         if region is not None:
             m = REGION.fullmatch(region) if isinstance(region, str) else None

@@ -138,8 +138,12 @@ def _checked(m: dict) -> Manifest:
     check_int(m.get("batch_size"), f"{where} batch_size", 1, 1 << 20)
     check_int(m.get("seq_len"), f"{where} seq_len", 2, 1 << 24)
     cfg = m.get("model_config")
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("vocab_size"), int) or cfg["vocab_size"] < 2:
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("vocab_size"), int) or not 2 <= cfg["vocab_size"] <= 1 << 31:
         fail(where, "'model_config' lacks a vocabulary size")
+    if len(cfg) > 256 or not all(isinstance(k, str) and len(k) <= 64 and (
+            v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 256))
+            for k, v in cfg.items()):
+        fail(where, "'model_config' must map at most 256 names to plain values (numbers, short strings)")
     programs = m.get("programs")
     if not isinstance(programs, list) or not 1 <= len(programs) <= world:
         fail(where, f"'programs' must list between 1 and {world} programs")

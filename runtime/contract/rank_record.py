@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from titan.runtime.contract.bindings import bound_params
 from titan.runtime.contract.checks import ArtifactError, check_int, check_shape, check_str, fail
+from titan.runtime.contract.dtypes import PARAM_DTYPES, is_dtype_name
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.shards import shard_box
 
@@ -95,7 +96,13 @@ class ParamSpec(ParamShard):
             fail(where, "placements must map mesh dimensions to placements")
         return ParamSpec(fqn=p["fqn"], global_shape=global_shape, local_shape=local, placements=placements,
                          slices=tuple(tuple(cut) for cut in slices), init=init,
-                         dtype=check_str(p.get("dtype", "float32"), where, "dtype"))
+                         dtype=_checked_dtype(p.get("dtype", "float32"), where))
+
+
+def _checked_dtype(name, where: str) -> str:
+    if not is_dtype_name(name, PARAM_DTYPES):
+        fail(where, f"dtype {str(name)[:40]!r} is not one of {', '.join(PARAM_DTYPES)}")
+    return name
 
 
 def _checked_init(init, where: str) -> dict:
@@ -308,9 +315,12 @@ def _outputs(gm: fx.GraphModule) -> tuple:
 
 
 def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.GraphModule, where: str, *,
-                 rank: int, layout: Layout, graph_hashes: dict[str, str]) -> None:
+                 rank: int, layout: Layout, graph_hashes: dict[str, str], batch_shape: tuple[int, int],
+                 vocab_size: int) -> None:
     """The record belongs to this rank and describes these two graphs (`graph_hashes`: the
-    sha256 of the forward and backward blobs the manifest gave this rank)."""
+    sha256 of the forward and backward blobs the manifest gave this rank), and the manifest's
+    batch shape (batch size, sequence length) and vocabulary (what the data feeds) are the
+    graphs' own."""
     for kind, digest in graph_hashes.items():
         if getattr(record, f"{kind}_graph") != digest:
             # A program's metadata describes its own graphs: mixing programs trains wrong.
@@ -330,6 +340,11 @@ def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.Graph
             fail(where, f"forward input {node.name} does not have the shape of parameter {inp.fqn}")
         if inp.kind == "buffer" and (not isinstance(val, dict) or val.get("shape") != next(buffer_shapes)):
             fail(where, f"forward input {node.name} does not have the shape of buffer {inp.fqn}")
+        if inp.kind in ("tokens", "labels") and (not isinstance(val, dict) or val.get("shape") != list(batch_shape)
+                                                 or val.get("dtype") != "int64"):
+            fail(where, f"the manifest's batch of {batch_shape[0]} x {batch_shape[1]} tokens is not what the "
+                        f"forward graph's {inp.kind} input takes ({val})")
+    _check_vocabulary(record, forward, fw_in, vocab_size, where)
     updates = len(record.mutated_buffers)
     if len(_outputs(forward)) != updates + saved + 1:
         fail(where, f"forward graph returns {len(_outputs(forward))} values, expected {updates} buffer updates + "
@@ -338,3 +353,32 @@ def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.Graph
         fail(where, f"backward graph takes {len(_placeholders(backward))} inputs, expected {saved} saved + 1")
     if len(_outputs(backward)) != len(inputs):
         fail(where, f"backward graph returns {len(_outputs(backward))} values for {len(inputs)} forward inputs")
+
+
+def _source(node, steps: int = 32):
+    """The placeholder a value is computed from along its first inputs (a parameter through its
+    all-gather and views, the tokens through the vocab-parallel mask), or None."""
+    for _ in range(steps):
+        if node.op == "placeholder":
+            return node
+        node = next((a for a in node.args if hasattr(a, "op")), None)
+        if node is None:
+            return None
+    return None
+
+
+def _check_vocabulary(record: RankRecord, forward: fx.GraphModule, inputs: list, vocab_size: int, where: str) -> None:
+    """Each embedding lookup of the tokens reads a table of exactly the manifest's vocabulary:
+    the data feeds token ids below vocab_size, and a larger one would index past the table."""
+    by_node = dict(zip(inputs, record.forward_inputs))
+    params = {p.fqn: p for p in record.params}
+    for node in forward.graph.nodes:
+        if node.op != "call_function" or str(node.target) != "aten.embedding.default" or len(node.args) < 2:
+            continue
+        table, ids = (by_node.get(_source(a)) if hasattr(a, "op") else None for a in node.args[:2])
+        if table is None or ids is None or table.kind != "param" or ids.kind != "tokens":
+            continue
+        rows = params[table.fqn].global_shape[0]
+        if rows != vocab_size:
+            fail(where, f"the manifest's vocabulary of {vocab_size} tokens is not the {rows} rows of the "
+                        f"embedding {table.fqn}")

@@ -106,10 +106,13 @@ class Cache:
     def touch(self, key: str) -> None:
         self.store.touch(key)
 
-    def lock(self, key: str, *, on_wait: Callable[[], None] | None = None) -> StoreLock:
-        """Exclusive lock for building `key`; calls on_wait once if another process holds it."""
+    def lock(self, key: str, *, on_wait: Callable[[str], None] | None = None,
+             on_give_up: Callable[[str, float], None] | None = None) -> StoreLock:
+        """This user's lock for building `key`: calls on_wait(holder) once if another process
+        holds it, and after a bounded wait (store_lock.lock_wait_s) on_give_up(holder, waited_s),
+        returning the lock unheld (the build goes on without it)."""
         lock = self.store.lock(key)
-        lock.acquire(blocking=True, on_wait=on_wait)
+        lock.acquire(blocking=True, on_wait=on_wait, on_give_up=on_give_up)
         return lock
 
     # --- listing, verification, gc ------------------------------------------------------------
@@ -151,10 +154,13 @@ class Cache:
                              "see titan-cache ls")
         return matches[0]
 
-    def verify(self, *, remove: bool) -> tuple[int, list[str], list[str]]:
-        """Re-hash every blob and authenticate every record; returns (blobs checked, corrupt
-        blob hashes, tampered things: unauthenticated records, planted links and files). With
-        remove, delete them and the entries that name a removed blob or record."""
+    def verify(self, *, remove: bool) -> tuple[int, list[str], list[str], int]:
+        """Re-hash every blob and authenticate every record of this user; returns (blobs checked,
+        corrupt blob hashes, tampered things: unauthenticated records, planted links and files,
+        other users' records counted as theirs). With remove, delete them and this user's
+        entries that name a removed blob or record; another user's records are never judged
+        with this user's key, so never removed (a record file named for a uid that does not own
+        it is planted, and is)."""
         checked, bad = 0, []
         for blob in self.store.blobs():
             checked += 1
@@ -162,32 +168,41 @@ class Cache:
                 bad.append(blob.sha)
         strays = self.store.strays()
         tampered = [f"{self.root / s} is not something titan makes (planted?)" for s in strays]
-        unauthenticated = []
+        unauthenticated, planted, others = [], [], 0
         for kind in RECORD_KINDS:
             for name in self.store.record_names(kind):
                 record, why = self.store.record_state(kind, name)
                 if record is None:
                     tampered.append(why)
                     unauthenticated.append((kind, name))
+            for foreign in self.store.foreign_records(kind):
+                if foreign.planted:
+                    tampered.append(f"{kind}/{foreign.name}@{foreign.uid} is not owned by uid {foreign.uid} (planted?)")
+                    planted.append((kind, foreign))
+                else:
+                    others += 1
         if remove:
             for s in strays:
                 self.store.remove_stray(s)
             for kind, name in unauthenticated:
                 self.store.remove_record(kind, name)
+            for kind, foreign in planted:
+                self.store.remove_foreign_record(kind, foreign)
             for sha in bad:
                 self.store.remove_blob(sha)
             for key in self.entry_keys():
                 if self.get_entry(key)[0] is None:
                     self._remove_entry(key)
-        return checked, bad, tampered
+        return checked, bad, tampered, others
 
     def _remove_entry(self, key: str) -> None:
         self.store.remove_record("entries", key)
         self.store.untouch(key)
 
     def gc(self, *, max_size: int | None, older_than_s: float | None, now: float | None = None) -> dict:
-        """Remove entries by age and/or until the cache fits max_size (least recently used first),
-        never one whose build lock is held; then unreferenced files past the grace period."""
+        """Remove this user's entries by age and/or until the cache fits max_size (least recently
+        used first), never one whose build lock is held; then files past the grace period that
+        no record names, this user's or another's."""
         now = time.time() if now is None else now
         removed, skipped = [], []
         infos = sorted(self.entries(), key=lambda i: i.last_used)
@@ -219,6 +234,7 @@ class Cache:
         for rank_key in self.store.record_names("ranks"):
             record = self.rank_record(rank_key) or {}
             live_blobs.update(record.get(k) for k in RANK_BLOBS)
+        live_blobs |= self.store.foreign_blob_refs()  # a teammate's builds keep theirs
         return live_ranks, live_blobs
 
     def _remove_entry_and_files(self, info: EntryInfo) -> int:
@@ -253,6 +269,7 @@ class Cache:
         for rank_key in live_ranks:
             record = self.rank_record(rank_key) or {}
             live_blobs.update(record.get(k) for k in RANK_BLOBS)
+        live_blobs |= self.store.foreign_blob_refs()
         for blob in list(self.store.blobs()):
             if blob.sha not in live_blobs and now - blob.mtime > UNREFERENCED_GRACE_S:
                 self.store.remove_blob(blob.sha)

@@ -2,10 +2,10 @@
 compiled kernels (runtime/store/kernel_store.py) are each one of these. Torch-free.
 
     <root>/blobs/<aa>/<sha256>     bytes, named by their content; every read re-hashes them
-    <root>/<kind>/<name>.json      records (what a blob means), each authenticated with the
+    <root>/<kind>/<name>@<uid>.json  records (what a blob means), each authenticated with its
                                    user's key (below); a record that does not verify is absent
-    <root>/used/<name>             markers whose mtime is a last use (for gc)
-    <root>/locks/<name>.lock       flock()ed while one process produces <name>
+    <root>/used/<name>@<uid>       markers whose mtime is a last use (for gc)
+    <root>/locks/<name>@<uid>.lock flock()ed while one of the user's processes produces <name>
     <root>/tmp/                    files being written, renamed into place when complete
 
 Trust (docs/trust.md): a blob is only ever reached through its digest, and a digest only
@@ -20,7 +20,9 @@ so nothing planted in the store (a link for a sub-directory, a lock, a marker or
 steer a write or a delete outside it; a sub-directory that is not a plain directory made by
 this user is refused. By default the store must also be private (owned by the user, not
 writable by group or others, as ssh demands of ~/.ssh); TITAN_SHARED_CACHE=1 opts in to a
-directory others may write, which the record authentication above makes safe to read.
+directory others may write, which the record authentication above makes safe to read. Records,
+markers and locks are per user (runtime/store/record.py): in a shared store, maintenance keeps
+whatever another user's records name (docs/trust.md, "Shared caches").
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from titan.runtime.store.signing import authentic, sign
-from titan.runtime.common.safe_files import MAX_JSON_BYTES, UnsafeFile, loads_json, open_dir_below, read_regular_at
+from titan.runtime.common.safe_files import UnsafeFile, open_dir_below, read_regular_at
+from titan.runtime.store.record import (MAX_RECORD_BYTES, decode_record, encode_record, owned_name,
+                                        read_unauthenticated, split_owned_name)
 from titan.runtime.store.lock import StoreLock, unlink_planted
 
 SHARED_ENV = "TITAN_SHARED_CACHE"
@@ -75,6 +78,17 @@ def _dir_fix(path: Path) -> str:
 
 
 @dataclass(frozen=True)
+class ForeignRecord:
+    """A record file in a store that is not this user's: another user's (named with their uid and
+    owned by them; `record` is its unauthenticated content, or None if it does not parse), or
+    planted (`planted`: its owner is not the uid in its name)."""
+    name: str
+    uid: int
+    planted: bool
+    record: dict | None
+
+
+@dataclass(frozen=True)
 class Blob:
     sha: str
     size: int
@@ -99,6 +113,7 @@ class ContentStore:
                  titan_made_root: bool = False):
         self.root = Path(root).expanduser()
         self.shared = shared_opt_in()
+        self.uid = os.geteuid()
         self.record_kinds = record_kinds
         self.expected_dirs = COMMON_DIRS + record_kinds + extra_dirs
         self._mode = 0o2775 if self.shared else 0o755
@@ -106,14 +121,14 @@ class ContentStore:
         self._root_fd = -1
         try:
             if titan_made_root:  # a directory titan makes inside another store: never a link
-                self.root.parent.mkdir(parents=True, exist_ok=True, mode=self._mode)
+                self._mkdir_path(self.root.parent)
                 parent = os.open(self.root.parent, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
                 try:
                     self._root_fd = self._subdir(parent, self.root.name, self.root)
                 finally:
                     os.close(parent)
             else:  # the directory the user chose (it may be a link the user made)
-                self.root.mkdir(parents=True, exist_ok=True, mode=self._mode)
+                self._mkdir_path(self.root)
                 self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
         except OSError as e:
             raise StoreError(f"cannot use cache directory {self.root}: {e.strerror or e}; pass --cache-dir "
@@ -146,15 +161,38 @@ class ContentStore:
             pass
 
     # --- directories ------------------------------------------------------------------------
+    def _group_writable(self, fd: int) -> None:
+        """In a shared store, a directory this user made is made group-writable and setgid (files
+        in it take its group) explicitly: mkdir's mode is cut by the umask (022 by default)."""
+        if self.shared and os.fstat(fd).st_uid == self.uid:
+            os.chmod(fd, self._mode)
+
+    def _mkdir_path(self, path: Path) -> None:
+        if path.is_dir():
+            return
+        self._mkdir_path(path.parent)
+        try:
+            os.mkdir(path, self._mode)
+        except FileExistsError:
+            return
+        if self.shared:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+            try:
+                self._group_writable(fd)
+            finally:
+                os.close(fd)
+
     def _check(self, fd: int, path: Path) -> None:
         problem = _dir_problem(os.fstat(fd), self.shared)
         if problem:
             raise StoreError(f"the cache directory {path} {problem}; {_dir_fix(path)}")
 
     def _subdir(self, parent_fd: int, name: str, path: Path, *, create: bool = True) -> int:
+        created = False
         if create:
             try:
                 os.mkdir(name, self._mode, dir_fd=parent_fd)
+                created = True
             except FileExistsError:
                 pass
             except OSError as e:
@@ -168,9 +206,14 @@ class ContentStore:
                              f"titan-cache verify --remove") from None
         try:
             self._check(fd, path)
-        except StoreError:
+            if created:
+                self._group_writable(fd)
+        except (StoreError, OSError) as e:
             os.close(fd)
-            raise
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"cannot make {path} group-writable: {e.strerror or e}; pass --cache-dir "
+                             "with a writable directory") from None
         return fd
 
     def _blob_dir(self, sha: str, *, create: bool) -> int | None:
@@ -182,14 +225,14 @@ class ContentStore:
             raise
 
     # --- writing ------------------------------------------------------------------------------
-    def _write(self, dir_fd: int, name: str, data: bytes) -> None:
+    def _write(self, dir_fd: int, name: str, data: bytes, *, mode: int | None = None) -> None:
         """Write `data` to a new file in tmp/ and rename it to `name` in `dir_fd`: readers see the
         old file or the whole new one, and a link planted at `name` is replaced, not followed."""
         tmp_fd = self._fds["tmp"]
         tmp = f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC,
-                         0o664 if self.shared else 0o644, dir_fd=tmp_fd)
+                         (0o664 if self.shared else 0o644) if mode is None else mode, dir_fd=tmp_fd)
             try:
                 view = memoryview(data)
                 while view:
@@ -289,52 +332,105 @@ class ContentStore:
         return sum(b.size for b in self.blobs())
 
     # --- records --------------------------------------------------------------------------------
+    def _record_file(self, name: str) -> str:
+        return f"{owned_name(name, self.uid)}.json"
+
     def put_record(self, kind: str, name: str, record: dict) -> None:
         assert NAME.fullmatch(name), name
-        signed = {"record": record, "mac": sign(kind, name, record)}
-        self._write(self._fds[kind], f"{name}.json", json.dumps(signed, indent=1, sort_keys=True).encode())
+        # 0644 even in a shared store: teammates read a record; only its owner may change it.
+        self._write(self._fds[kind], self._record_file(name), encode_record(kind, name, record), mode=0o644)
 
     def record_state(self, kind: str, name: str) -> tuple[dict | None, str]:
-        """(record, '') when present and authenticated; else (None, why)."""
+        """(record, '') when present and authenticated; else (None, why). The file is bounded
+        before it is read and authenticated before it is parsed."""
         if not NAME.fullmatch(name):
             return None, "not a record name"
         try:
-            data = read_regular_at(self._fds[kind], f"{name}.json", max_size=MAX_JSON_BYTES, what=f"{kind}/{name}")
-            signed = loads_json(data, f"{kind}/{name}")
+            data = read_regular_at(self._fds[kind], self._record_file(name), max_size=MAX_RECORD_BYTES,
+                                   what=f"{kind}/{name}")
         except UnsafeFile as e:
             return None, "missing" if "is missing" in str(e) else str(e)
-        if not (isinstance(signed, dict) and isinstance(signed.get("record"), dict)
-                and isinstance(signed.get("mac"), str)):
-            return None, f"{kind}/{name} is not a titan record"
-        if not authentic(kind, name, signed["record"], signed["mac"]):
-            return None, f"{kind}/{name} is not authenticated (written without your key: tampered, or another user's)"
-        return signed["record"], ""
+        return decode_record(kind, name, data, f"{kind}/{name}")
 
     def get_record(self, kind: str, name: str) -> dict | None:
         return self.record_state(kind, name)[0]
 
     def record_names(self, kind: str, strays: list[str] | None = None) -> list[str]:
+        """This user's record names; other users' records are skipped (foreign_records lists
+        them) and anything titan does not make goes to `strays`."""
         names = []
         with os.scandir(self._fds[kind]) as it:
             for e in it:
-                stem = e.name[:-5] if e.name.endswith(".json") else ""
-                if stem and NAME.fullmatch(stem) and e.is_file(follow_symlinks=False):
-                    names.append(stem)
+                owned = split_owned_name(e.name[:-5]) if e.name.endswith(".json") else None
+                if owned and e.is_file(follow_symlinks=False):
+                    if owned[1] == self.uid:
+                        names.append(owned[0])
                 elif strays is not None:
                     strays.append(f"{kind}/{e.name}")
         return sorted(names)
 
+    def foreign_records(self, kind: str) -> Iterator[ForeignRecord]:
+        """The record files of `kind` named for other users (see ForeignRecord)."""
+        with os.scandir(self._fds[kind]) as it:
+            files = sorted(e.name for e in it if e.name.endswith(".json") and e.is_file(follow_symlinks=False))
+        for file in files:
+            owned = split_owned_name(file[:-5])
+            if owned is None or owned[1] == self.uid:
+                continue
+            try:
+                fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=self._fds[kind])
+            except OSError:
+                continue  # removed meanwhile, or unreadable: nothing to keep for it
+            try:
+                planted = os.fstat(fd).st_uid != owned[1]
+            finally:
+                os.close(fd)
+            record = None
+            if not planted:
+                try:
+                    data = read_regular_at(self._fds[kind], file, max_size=MAX_RECORD_BYTES, what=f"{kind}/{file}")
+                    record = read_unauthenticated(data, f"{kind}/{file}")
+                except UnsafeFile:
+                    pass
+            yield ForeignRecord(name=owned[0], uid=owned[1], planted=planted, record=record)
+
+    def foreign_blob_refs(self) -> set[str]:
+        """Every sha256 that another user's record of any kind names: what this user's
+        maintenance must keep (their records cannot be authenticated here, so they are read
+        conservatively: any digest anywhere in them counts)."""
+        refs: set[str] = set()
+        for kind in self.record_kinds:
+            for foreign in self.foreign_records(kind):
+                stack = [foreign.record] if foreign.record is not None else []
+                while stack:
+                    value = stack.pop()
+                    if isinstance(value, dict):
+                        stack.extend(value.values())
+                    elif isinstance(value, list):
+                        stack.extend(value)
+                    elif isinstance(value, str) and SHA256.fullmatch(value):
+                        refs.add(value)
+        return refs
+
     def record_mtime(self, kind: str, name: str) -> float | None:
         try:
-            st = os.stat(f"{name}.json", dir_fd=self._fds[kind], follow_symlinks=False)
+            st = os.stat(self._record_file(name), dir_fd=self._fds[kind], follow_symlinks=False)
         except OSError:
             return None
         return st.st_mtime if stat.S_ISREG(st.st_mode) else None
 
     def remove_record(self, kind: str, name: str) -> None:
         try:
-            os.unlink(f"{name}.json", dir_fd=self._fds[kind])
+            os.unlink(self._record_file(name), dir_fd=self._fds[kind])
         except FileNotFoundError:
+            pass
+
+    def remove_foreign_record(self, kind: str, record: ForeignRecord) -> None:
+        """Remove a planted record file (never another user's own: see ForeignRecord)."""
+        assert record.planted
+        try:
+            os.unlink(f"{owned_name(record.name, record.uid)}.json", dir_fd=self._fds[kind])
+        except OSError:
             pass
 
     def remove_stray(self, rel: str) -> None:
@@ -354,7 +450,7 @@ class ContentStore:
     # --- markers, locks, temp files -----------------------------------------------------------
     def touch(self, name: str) -> None:
         """Mark `name` used now (used/<name>): a planted link or FIFO there is replaced, never followed."""
-        fd_dir = self._fds["used"]
+        fd_dir, name = self._fds["used"], owned_name(name, self.uid)
         for _ in range(2):
             try:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, 0o644,
@@ -375,19 +471,19 @@ class ContentStore:
 
     def last_used(self, name: str) -> float | None:
         try:
-            st = os.stat(name, dir_fd=self._fds["used"], follow_symlinks=False)
+            st = os.stat(owned_name(name, self.uid), dir_fd=self._fds["used"], follow_symlinks=False)
         except OSError:
             return None
         return st.st_mtime if stat.S_ISREG(st.st_mode) else None
 
     def untouch(self, name: str) -> None:
         try:
-            os.unlink(name, dir_fd=self._fds["used"])
+            os.unlink(owned_name(name, self.uid), dir_fd=self._fds["used"])
         except FileNotFoundError:
             pass
 
     def lock(self, name: str) -> StoreLock:
-        return StoreLock(self._fds["locks"], f"{name}.lock")
+        return StoreLock(self._fds["locks"], f"{owned_name(name, self.uid)}.lock")
 
     def sweep_tmp(self, *, now: float, grace_s: float) -> None:
         """Remove temp files left by killed writers (older than grace_s)."""

@@ -116,6 +116,12 @@ class KernelStore:
                 self.remove(key)
         strays = self.store.strays()
         tampered += [f"{self.root / s} is not something titan makes (planted?)" for s in strays]
+        for foreign in self.store.foreign_records(RECORD_KIND):
+            if foreign.planted:
+                tampered.append(f"kernel record {foreign.name}@{foreign.uid} is not owned by uid {foreign.uid} (planted?)")
+                if remove:
+                    self.store.remove_foreign_record(RECORD_KIND, foreign)
+        named |= self.store.foreign_blob_refs()  # another user's kernels are theirs, not planted
         for blob in self.store.blobs():
             if blob.sha not in named:
                 tampered.append(f"kernel blob {blob.sha[:12]} is named by no authenticated record (planted?)")
@@ -139,6 +145,7 @@ class KernelStore:
                 freed += e.size
             else:
                 live.add(e.sha256)
+        live |= self.store.foreign_blob_refs()  # another user's kernels stay
         for blob in list(self.store.blobs()):
             if blob.sha not in live and now - blob.mtime > STALE_TEMP_S:
                 self.store.remove_blob(blob.sha)

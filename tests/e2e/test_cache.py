@@ -11,7 +11,7 @@ import time
 
 import filelock
 
-from conftest import read_metrics, titan
+from conftest import own, read_metrics, titan
 from titan.runtime.contract.artifact import open_artifact
 
 SINGLE = ("--flavor", "debug")
@@ -139,19 +139,19 @@ def test_gc_by_age_and_size_skips_locked_entries(tmp_path):
     for path in cache.rglob("*"):
         if path.is_file():
             os.utime(path, (two_days_ago, two_days_ago))
-    os.utime(cache / "used" / new_key)
+    os.utime(cache / "used" / own(new_key))
 
     r = titan("cache", "gc", "--older-than", "3d", env=_env(cache))
     assert r.returncode == 0 and "removed" not in r.stdout
     r = titan("cache", "gc", "--older-than", "1d", env=_env(cache))
     assert f"removed {old_key[:12]}" in r.stdout and new_key[:12] not in r.stdout
-    assert not (cache / "entries" / f"{old_key}.json").exists()
+    assert not (cache / "entries" / f"{own(old_key)}.json").exists()
 
-    lock = filelock.FileLock(str(cache / "locks" / f"{new_key}.lock"))
+    lock = filelock.FileLock(str(cache / "locks" / f"{own(new_key)}.lock"))
     with lock:
         r = titan("cache", "gc", "--max-size", "0", env=_env(cache))
         assert f"kept {new_key[:12]} (a build holds it)" in r.stdout
-    assert (cache / "entries" / f"{new_key}.json").exists()
+    assert (cache / "entries" / f"{own(new_key)}.json").exists()
     r = titan("cache", "gc", "--max-size", "0", env=_env(cache))
     assert f"removed {new_key[:12]}" in r.stdout
     assert titan("cache", "ls", env=_env(cache)).stdout.strip().endswith("empty")

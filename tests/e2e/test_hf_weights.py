@@ -174,6 +174,12 @@ def _missing_tensor(p):
     save_file(tensors, p / "model.safetensors", metadata={"format": "pt"})
 
 
+def _integer_tensor(p):
+    tensors = load_file(p / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int64)  # was cast silently
+    save_file(tensors, p / "model.safetensors", metadata={"format": "pt"})
+
+
 def _garbled_weights(p):
     (p / "model.safetensors").write_bytes(b"\x00" * 64)
 
@@ -185,6 +191,7 @@ def _garbled_weights(p):
     (_rope_scaling, ["RoPE scaling 'llama3' is not implemented"]),
     (_wrong_tensor_shape, ["model.layers.1.mlp.up_proj.weight has shape [640, 256]", "[704, 256]"]),
     (_missing_tensor, ["no tensor model.norm.weight"]),
+    (_integer_tensor, ["model.norm.weight is stored as I64, not a float dtype"]),
     (_garbled_weights, ["not a readable safetensors file"]),
 ], ids=lambda v: v.__name__.strip("_") if callable(v) else "")
 def test_bad_hf_checkpoint_is_refused_in_one_line(damage, words, hf_dir, debug_artifact, tmp_path):

@@ -9,11 +9,12 @@ import json
 import os
 import pickle
 import shutil
+import time
 
 import msgpack
 import pytest
 
-from conftest import titan
+from conftest import cache_record, own, titan
 
 SINGLE = ("--flavor", "debug")
 CACHE_DIRS = ("blobs", "ranks", "entries", "used", "locks", "tmp", "kernels")
@@ -61,17 +62,17 @@ def _put_blob(cache, data: bytes) -> str:
 def _rewrite_record(path, change) -> None:
     """Edit a record as an attacker without the user's key must: the MAC no longer matches (a
     MAC made with another key is the same to the victim)."""
-    signed = json.loads(path.read_text())
-    change(signed["record"])
-    signed["mac"] = hashlib.sha256(b"attacker" + json.dumps(signed["record"]).encode()).hexdigest()
-    path.write_text(json.dumps(signed))
+    record = cache_record(path)
+    change(record)
+    body = json.dumps(record).encode()
+    path.write_bytes(b"titan-record-v2 " + hashlib.sha256(b"attacker" + body).hexdigest().encode() + b"\n" + body)
 
 
 @pytest.mark.parametrize("how", ["new graph blob", "region tag added"])
 def test_rewritten_rank_record_is_not_served(victim, tmp_path, how):
     cache, outside, key, env = victim
     (rank_path,) = (cache / "ranks").glob("*.json")
-    record = json.loads(rank_path.read_text())["record"]
+    record = cache_record(rank_path)
     original = record["forward"]
     doc = msgpack.unpackb((cache / "blobs" / original[:2] / original).read_bytes(), raw=False)
     if how == "new graph blob":
@@ -131,14 +132,14 @@ def test_planted_kernel_with_consistent_digest_is_never_loaded(victim):
     # with the planted bytes, neither authenticated with the victim's key.
     (kernels / f"{key}.bin").write_bytes(payload)
     (kernels / f"{key}.sha256").write_text(sha + "\n")
-    (kernels / "kernels" / f"{key}.json").write_text(json.dumps(
-        {"record": {"key": key, "sha256": sha, "size": len(payload), "device": "NVIDIA H100 sm90"}, "mac": "0" * 64}))
+    (kernels / "kernels" / f"{own(key)}.json").write_text("titan-record-v2 " + "0" * 64 + "\n" + json.dumps(
+        {"key": key, "sha256": sha, "size": len(payload), "device": "NVIDIA H100 sm90"}))
     assert store.load(key) is None
     v = titan("cache", "verify", env=env)
     assert v.returncode == 1 and "kernel" in v.stdout and "not authenticated" in v.stdout, v.stdout
     assert not canary.exists()
     r = titan("cache", "verify", "--remove", env=env)
-    assert r.returncode == 1 and not (kernels / "kernels" / f"{key}.json").exists()
+    assert r.returncode == 1 and not (kernels / "kernels" / f"{own(key)}.json").exists()
     assert titan("cache", "verify", env=env).returncode == 0
     _outside_untouched(outside)
 
@@ -166,10 +167,10 @@ def test_symlinked_cache_directory_is_refused_and_nothing_outside_is_touched(vic
 def test_symlinked_blob_prefix_lock_and_marker_create_nothing_outside(victim, tmp_path):
     cache, outside, key, env = victim
     canary = outside / "canary"
-    (cache / "locks" / f"{key}.lock").unlink(missing_ok=True)
-    (cache / "locks" / f"{key}.lock").symlink_to(canary)
-    (cache / "used" / key).unlink(missing_ok=True)
-    (cache / "used" / key).symlink_to(outside / "canary2")
+    (cache / "locks" / f"{own(key)}.lock").unlink(missing_ok=True)
+    (cache / "locks" / f"{own(key)}.lock").symlink_to(canary)
+    (cache / "used" / own(key)).unlink(missing_ok=True)
+    (cache / "used" / own(key)).symlink_to(outside / "canary2")
     (cache / "tmp" / "planted").symlink_to(outside / "sentinel")
     prefix = next((cache / "blobs").iterdir())
     shutil.rmtree(prefix)
@@ -206,3 +207,25 @@ def test_records_signed_with_another_users_key_are_ignored(victim, tmp_path):
     key = tmp_path / "other.key"
     os.chmod(key, 0o644)
     assert "chmod 600" in _one_error_line(titan("build", *SINGLE, "--out", tmp_path / "art", env=other))
+
+
+@pytest.mark.parametrize("size", [3 << 20, 60 << 20])
+def test_planted_large_records_cost_a_bounded_read_never_a_parse(victim, tmp_path, size):
+    """Six planted records of JSON that is slow to parse (issue 29: 545 s for a cache-miss build
+    when records were parsed before their MAC): under the record bound they are authenticated on
+    their bytes and ignored unparsed; over it they are refused by size before being read."""
+    cache, outside, key, env = victim
+    body = b"[" + b"[]," * (size // 3 - 1) + b"[]]"
+    header = b"titan-record-v2 " + b"0" * 64 + b"\n"
+    for i in range(6):
+        (cache / "entries" / f"{own(f'{i:032x}')}.json").write_bytes(header + body)
+        (cache / "ranks" / f"{own(f'{i + 6:032x}')}.json").write_bytes(header + body)
+    for args in (("cache", "ls"), ("build", *SINGLE, "--seq-len", 64, "--out", tmp_path / "art")):
+        t0 = time.monotonic()
+        r = titan(*args, env=env)
+        assert r.returncode == 0, r.stderr
+        assert time.monotonic() - t0 < 60, f"{args[0]} took {time.monotonic() - t0:.0f} s"
+    v = titan("cache", "verify", env=env)
+    assert v.returncode == 1 and v.stdout.count("tampered") >= 12, v.stdout
+    expected = "over the bound" if size > (4 << 20) else "not authenticated"
+    assert v.stdout.count(expected) == 12, v.stdout

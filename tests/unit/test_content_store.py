@@ -49,16 +49,16 @@ def test_a_record_is_served_only_as_this_user_signed_it_at_its_name(tmp_path, mo
     record = {"forward": "a" * 64, "ranks": [0, 1]}
     store.put_record("entries", "k1", record)
     assert store.record_state("entries", "k1") == (record, "") and store.record_names("entries") == ["k1"]
-    path = tmp_path / "cache" / "entries" / "k1.json"
-    signed = json.loads(path.read_text())
+    path = tmp_path / "cache" / "entries" / f"k1@{os.getuid()}.json"
+    signed = path.read_bytes()
     # Edited by someone without the key: refused.
-    path.write_text(json.dumps({"record": dict(record, forward="b" * 64), "mac": signed["mac"]}))
+    path.write_bytes(signed.replace(b"a" * 64, b"b" * 64))
     assert store.record_state("entries", "k1") == _not_authenticated("k1")
     # A genuine record copied to another name: refused (the name is signed too).
-    (tmp_path / "cache" / "entries" / "k2.json").write_text(json.dumps(signed))
+    (tmp_path / "cache" / "entries" / f"k2@{os.getuid()}.json").write_bytes(signed)
     assert store.record_state("entries", "k2") == _not_authenticated("k2")
     # Signed with another user's key: refused.
-    path.write_text(json.dumps(signed))
+    path.write_bytes(signed)
     assert store.get_record("entries", "k1") == record
     monkeypatch.setenv(KEY_FILE_ENV, str(tmp_path / "other.key"))
     assert store.record_state("entries", "k1") == _not_authenticated("k1")

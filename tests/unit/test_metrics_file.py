@@ -34,7 +34,7 @@ def test_the_records_come_back_as_written_and_blank_lines_are_skipped(tmp_path):
     ([json.dumps(_record(1)), '{"step": 2, "lo'], "{path}: line 2 is not JSON; is this a titan-run --metrics file?"),
     (['{"epoch": 1}'], "{path}: line 1 lacks step, loss, tokens_per_s, step_time_s (numbers); is this a titan-run "
                        "--metrics file?"),
-    ([json.dumps(_record(1, loss="low"))], "{path}: line 1 lacks loss (numbers); is this a titan-run --metrics file?"),
+    ([json.dumps(_record(1, loss="low"))], "{path}: line 1: loss is 'low', not a number; is this a titan-run --metrics file?"),
     (["[1, 2]"], "{path}: line 1 lacks step, loss, tokens_per_s, step_time_s (numbers); is this a titan-run "
                  "--metrics file?"),
     (["[" * 20 + "]" * 20], "{path}: line 1 is not JSON; is this a titan-run --metrics file?"),
