@@ -225,8 +225,10 @@ def hf_config_for(description: dict, *, dtype: str) -> dict:
         cfg["rope_parameters"] = dict(cfg.get("rope_parameters") or {}, **rope)
     cfg.update({
         "architectures": list(record.architectures), "model_type": record.model_type,
-        # titan trains the output projection separately from the embedding.
-        "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype,
+        # titan trains the output projection separately from the embedding, unless the model
+        # ties them (its record says so, and then holds no output projection).
+        "tie_word_embeddings": bool(record.config.get("tie_word_embeddings", False)),
+        "torch_dtype": dtype, "dtype": dtype,
     })
     cfg.setdefault("max_position_embeddings", max(8192, description.get("seq_len", 0)))
     if "rope_parameters" in cfg:  # transformers >= 5 keeps rope_theta here

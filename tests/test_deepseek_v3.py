@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan.builder.models.deepseek_v3.config import FLAVORS
-from titan.builder.models.deepseek_v3.dispatch import make_plan
-from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param, set_dispatch
+from titan.builder.models.moe.dispatch import make_plan
+from titan.builder.models.moe.expert_parallel import is_expert_param, set_dispatch
 from titan.builder.models.deepseek_v3 import SPEC
 from titan.builder.models.deepseek_v3.init import init_specs
 from titan.builder.models.deepseek_v3.model import DeepSeekV3

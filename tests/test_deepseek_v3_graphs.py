@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import fx
 
 from test_deepseek_v3 import BATCH, CFG, SEQ, _batch, _run_ep_ranks, _weights
-from titan.builder.models.deepseek_v3.dispatch import make_plan
-from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch, shard_experts
+from titan.builder.models.moe.dispatch import make_plan
+from titan.builder.models.moe.expert_parallel import set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.builder.models.deepseek_v3.moe import route
 
