@@ -84,6 +84,10 @@ def check_hf_config(hf_dir: Path, record: HFRecord) -> dict:
     given.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
     given.setdefault("head_dim", expected.get("head_dim"))
     given.setdefault("hidden_act", "silu")
+    # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts (published
+    # checkpoints: num_experts).
+    if "num_local_experts" in given:
+        given.setdefault("num_experts", given["num_local_experts"])
     for flag in ("attention_bias", "mlp_bias"):
         given[flag] = bool(given.get(flag, False))
     if "rope_theta" not in given and "rope_theta" in rope:
