@@ -227,3 +227,34 @@ def test_layouts_that_do_not_fit_get_the_reason(flags, reason, tmp_path):
     r = titan("build", "--model", "qwen3", *flags, "--out", tmp_path / "art")
     assert r.returncode == 2
     assert r.stderr.strip() == reason
+
+
+def test_a_tied_embedding_stays_one_parameter_that_gets_both_gradients():
+    """builder/trace/parallelize.py keeps a shared parameter one (one shard, both modules read it
+    through their own accessor): the parallelized model lists no output.weight, and its one
+    embedding's gradient is exactly plain PyTorch's for the tied module (the sum of the
+    embedding's and the output projection's)."""
+    import copy
+
+    from titan.builder.trace.parallelize import parallelize, tied_parameters
+    from titan.runtime.contract.layout import Layout
+
+    cfg = SPEC.flavors["debug"]
+    torch.manual_seed(0)
+    plain = Qwen3(cfg)
+    plain.loss_scale = 64.0
+    assert tied_parameters(plain) == {"output.weight": "tok_embeddings.weight"}
+    titan_model = copy.deepcopy(plain)
+    shards = parallelize(titan_model, Layout(), None, {}, tp_plan=SPEC.tp_plan)
+    assert "output.weight" not in {s.fqn for s in shards} | {n for n, _ in titan_model.named_parameters()}
+    batch = _batch()
+    for model in (plain, titan_model):
+        model(batch["tokens"], batch["labels"]).backward()
+    grads = dict(titan_model.named_parameters())
+    for fqn, p in plain.named_parameters():
+        assert torch.equal(grads[fqn].grad, p.grad), fqn
+    untied = copy.deepcopy(plain)
+    untied.output.weight = torch.nn.Parameter(plain.output.weight.detach().clone())
+    untied.zero_grad()
+    untied(batch["tokens"], batch["labels"]).backward()
+    assert not torch.equal(untied.tok_embeddings.weight.grad, plain.tok_embeddings.weight.grad)
