@@ -82,8 +82,8 @@ def hf_checkpoint(cfg: Qwen3Config, fqns: list[str]) -> HFRecord:
         architectures=("Qwen3MoeForCausalLM" if cfg.moe else "Qwen3ForCausalLM",),
         config=config,
         names={fqn: hf_name(fqn) for fqn in fqns if fqn not in stacked},
-        # An untied flavor reads a tied checkpoint's output projection from its embedding: but
-        # tie_word_embeddings is part of `config`, so such a checkpoint is refused first.
+        # None: tie_word_embeddings is part of `config`, so only a flavor tied as the checkpoint
+        # is reads it.
         tied_names={},
         rope_permuted={fqn: cfg.head_dim for fqn in fqns if fqn.endswith(_ROPE_PERMUTED)},
         stacked=stacked,
