@@ -13,17 +13,17 @@ from titan.cli.options import POSITIVE, NonEmptyPath
 
 
 @click.command(cls=Command)
-@click.option("--model", default="llama3", show_default=True, help="Model family: llama3 or deepseek_v3.")
-@click.option("--flavor", default=None, help="Model size: debug, 1B, 8B (default), 70B, 405B.")
+@click.option("--model", default="llama3", show_default=True, help="Model family: llama3, deepseek_v3 or qwen3.")
+@click.option("--flavor", default=None, help="Model size: debug, 1B, 8B (default), 70B, 405B (llama3; other models: their README).")
 @click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (with sequence parallel).")
 @click.option("--dp-shard", default=1, show_default=True, type=POSITIVE, help="FSDP degree.")
 @click.option("--dp-replicate", default=1, show_default=True, type=POSITIVE, help="Replicated data-parallel degree.")
 @click.option("--ep", default=1, show_default=True, type=POSITIVE,
               help="Expert-parallel degree (mixture-of-experts models): routed experts split over this many ranks, "
                    "which are data parallel for everything else.")
-@click.option("--batch-size", default=None, type=POSITIVE, help="Sequences per data-parallel rank (default: 2 debug, 1 otherwise).")
-@click.option("--seq-len", default=None, type=click.IntRange(min=2), help="Tokens per sequence (default: 128 debug, 8192 otherwise).")
-@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp32"]), help="Compute dtype: bf16 (default; fp32 for the debug flavor) or fp32. "
+@click.option("--batch-size", default=None, type=POSITIVE, help="Sequences per data-parallel rank (default: 2 debug flavors, 1 otherwise).")
+@click.option("--seq-len", default=None, type=click.IntRange(min=2), help="Tokens per sequence (default: 128 debug flavors, 8192 otherwise).")
+@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp32"]), help="Compute dtype: bf16 (default; fp32 for the debug flavors) or fp32. "
               "Parameters and optimizer state stay fp32.")
 @click.option("--passes", "passes", default=None,
               help="Graph passes after partitioning, comma-separated, in order ('' for none; default: "

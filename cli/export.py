@@ -18,7 +18,7 @@ from titan.cli.options import NonEmptyPath
               help="Element type of the written weights (the checkpoint holds fp32).")
 def main(checkpoint, out, dtype):
     """Write CHECKPOINT (a --checkpoint-dir, for its latest step, or one step-N directory) in
-    Hugging Face's layout (LlamaForCausalLM, DeepseekV3ForCausalLM)."""
+    Hugging Face's layout (LlamaForCausalLM, DeepseekV3ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)."""
     from titan.runtime.checkpoint import load_full, read_state, resolve_checkpoint
     from titan.runtime.contract.hf_record import RECORD, hf_record
     from titan.runtime.hf_weights import export_hf

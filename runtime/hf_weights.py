@@ -88,6 +88,10 @@ def check_hf_config(hf_dir: Path, record: HFRecord) -> dict:
     given.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
     given.setdefault("head_dim", expected.get("head_dim"))
     given.setdefault("hidden_act", "silu")
+    # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts (published
+    # checkpoints: num_experts).
+    if "num_local_experts" in given:
+        given.setdefault("num_experts", given["num_local_experts"])
     for flag in ("attention_bias", "mlp_bias"):
         given[flag] = bool(given.get(flag, False))
     if "rope_theta" not in given and "rope_theta" in rope:
@@ -234,8 +238,10 @@ def hf_config_for(description: dict, *, dtype: str) -> dict:
         cfg["rope_parameters"] = dict(cfg.get("rope_parameters") or {}, **rope)
     cfg.update({
         "architectures": list(record.architectures), "model_type": record.model_type,
-        # titan trains the output projection separately from the embedding.
-        "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype,
+        # titan trains the output projection separately from the embedding, unless the model
+        # ties them (its record says so, and then holds no output projection).
+        "tie_word_embeddings": bool(record.config.get("tie_word_embeddings", False)),
+        "torch_dtype": dtype, "dtype": dtype,
     })
     cfg.setdefault("max_position_embeddings", max(8192, description.get("seq_len", 0)))
     if "rope_parameters" in cfg:  # transformers >= 5 keeps rope_theta here

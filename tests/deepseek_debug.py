@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan.builder.models.deepseek_v3.config import FLAVORS
-from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
+from titan.builder.models.moe.expert_parallel import set_dispatch
 from titan.builder.models.deepseek_v3.init import init_specs
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.runtime.init import full_param

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan.runtime.contract.graph_encode import encode_graph
 from titan.builder.models.deepseek_v3.config import FLAVORS
-from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param, set_dispatch, shard_experts
+from titan.builder.models.moe.expert_parallel import is_expert_param, set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.builder.passes.checkpointing import tag_activation_checkpointing
 from titan.builder.models.deepseek_v3 import SPEC

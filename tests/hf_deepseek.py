@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import param_spec
 from deepseek_debug import CFG, debug_batch
 from titan.builder.models.deepseek_v3 import SPEC
-from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
+from titan.builder.models.moe.expert_parallel import set_dispatch
 from titan.builder.models.deepseek_v3.hf_names import BALANCING_BIAS, hf_config_kwargs
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.runtime.hf_weights import HFCheckpoint

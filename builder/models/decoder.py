@@ -1,12 +1,26 @@
-"""The pieces the decoder families (llama3, deepseek_v3) share: RMSNorm, RoPE on interleaved
-pairs, the SwiGLU feed-forward, and the forward pass from token embeddings to this rank's share of the loss. Plain
-PyTorch, written for tracing."""
+"""The pieces the decoder families (llama3, deepseek_v3, qwen3) share: RMSNorm, RoPE on
+interleaved pairs, grouped-query attention (with Qwen3's optional per-head norm of queries and
+keys), the SwiGLU feed-forward, the pre-norm block, and the forward pass from token embeddings
+to this rank's share of the loss. Plain PyTorch, written for tracing: attention goes through the
+runtime's device-dispatched op, RoPE tables are computed inside forward (no constants in the
+graph)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titan.runtime.contract.ops import causal_attention
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim // 2), float32."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -31,6 +45,45 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+class GroupedQueryAttention(nn.Module):
+    """Causal attention with n_kv_heads key/value heads shared by groups of query heads.
+
+    `head_dim` is explicit (Qwen3's is not dim / n_heads). With `qk_norm_eps`, queries and keys
+    are RMS-normed per head (one weight of head_dim, shared by every head) before RoPE, as in
+    Qwen3; Llama has none.
+    """
+
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None):
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.qk_norm = qk_norm_eps is not None
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 for the head count: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeats = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = causal_attention(q, k, v)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        return self.wo(out)
+
+
 class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x): Llama's feed-forward, DeepSeek-V3's dense blocks and each expert."""
 
@@ -42,6 +95,24 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h)). `moe` marks a
+    block whose feed-forward is a mixture of experts (builder/models/moe)."""
+
+    def __init__(self, *, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module,
+                 moe: bool = False):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.moe = moe
+        self.feed_forward = feed_forward
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 def decoder_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor,

@@ -95,7 +95,9 @@ class ModelSpec:
     build: Callable[[ModelConfig], nn.Module]
     """The module, created on the current default device. forward(tokens, labels) returns this
     rank's share of the mean loss: the summed token loss divided by the module's `loss_scale`
-    attribute (the builder sets it to the global batch's token count)."""
+    attribute (the builder sets it to the global batch's token count). Modules may share a
+    parameter (tied embeddings): it stays one parameter, named by its first module, in every
+    layout whose plan splits both uses alike (builder/trace/parallelize.py)."""
     init_specs: Callable[[ModelConfig], dict[str, dict]]
     """How each parameter is initialized, by fully qualified name (runtime/init.py draws them)."""
     tp_plan: Callable[[nn.Module], dict]
@@ -114,7 +116,8 @@ class ModelSpec:
     unit, or None for modules outside blocks (embedding, final norm, output, loss)."""
     expert_param: Callable[[str], bool] | None = None
     """Parameter name -> whether it is a routed expert's, split on dim 0 over the `ep` mesh
-    dimension (builder/trace/parallelize.py); None: the family has no experts and builds with --ep 1."""
+    dimension (builder/trace/parallelize.py); None: the family has no experts and builds with --ep 1.
+    A family with dense and MoE flavors (Qwen3) refuses --ep for its dense ones in check_layout."""
     place_rank: Callable[[nn.Module, RankPlace], dict | None] = lambda model, place: None
     """After parallelize, before the trace (and in the eager reference): give the model what
     depends on the rank's place (a mixture of experts' dispatch plan and process groups).

@@ -14,8 +14,8 @@ from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes.registry import check_passes, default_passes
 from titan.runtime.contract.layout import Layout
 
-# Per-flavor batch shape defaults: small on CPU, Llama-3 pretraining shape otherwise.
-DEFAULT_SHAPE = {"debug": (2, 128)}
+# Batch shape defaults: small for the CPU-sized flavors, Llama-3 pretraining shape otherwise.
+DEBUG_SHAPE = (2, 128)
 PARTITIONERS = ("min_cut", "default")
 # Tokens per rank and step: 8B's pretraining batch (16 x 8192) is 2^17; 2^22 is far past what
 # any device holds, and keeps every graph's element counts realistic.
@@ -76,9 +76,19 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16"}
 
 
+def is_debug_flavor(flavor: str) -> bool:
+    """The CPU-sized flavors: `debug`, and `debug-<variant>` where a family has several (Qwen3's
+    dense `debug` and `debug-moe`)."""
+    return flavor == "debug" or flavor.startswith("debug-")
+
+
+def _default_shape(flavor: str) -> tuple[int, int]:
+    return DEBUG_SHAPE if is_debug_flavor(flavor) else (1, 8192)
+
+
 def _default_dtype(flavor: str) -> str:
-    # bf16 is the GPU default; the CPU-sized debug flavor defaults to fp32.
-    return "float32" if flavor == "debug" else "bfloat16"
+    # bf16 is the GPU default; the CPU-sized debug flavors default to fp32.
+    return "float32" if is_debug_flavor(flavor) else "bfloat16"
 
 
 def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: int, dtype: str, ac: str,
@@ -87,7 +97,7 @@ def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: in
     b4, s256, bf16, ac-full, default-partition, fuse-blocks, passes-<digest of the list>. Names
     artifacts and tells builds apart in `titan-cache ls`. `passes` as in BuildSpec.passes."""
     tags = []
-    default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
+    default_b, default_s = _default_shape(flavor)
     if batch_size != default_b:
         tags.append(f"b{batch_size}")
     if seq_len != default_s:
@@ -122,7 +132,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
     check_layout(family, family.flavors[flavor], layout)
-    default_b, default_s = DEFAULT_SHAPE.get(flavor, (1, 8192))
+    default_b, default_s = _default_shape(flavor)
     batch_size = default_b if batch_size is None else batch_size
     seq_len = default_s if seq_len is None else seq_len
     if batch_size < 1 or seq_len < 2:

@@ -8,6 +8,10 @@ backward reduce-scatters / all-reduces), and `DTensor.from_local` on the tp mesh
 tensor-parallel modules. All collectives of the step, forward and backward, are therefore
 inside the traced graph and every gradient comes out fully reduced, in the same layout as
 its parameter: nothing is owed after the graph. The eager reference runs this same module.
+
+A parameter that two modules share (tied input and output embeddings) stays one parameter:
+one local shard, held by the first module, and one accessor per module, each with that
+module's tensor-parallel view of it; autograd sums the two uses' gradients.
 """
 
 from __future__ import annotations
@@ -78,8 +82,10 @@ class _ShardedParamAccess:
         return x
 
 
-def _install_access(module: nn.Module, name: str, access: _ShardedParamAccess) -> None:
-    """Make `module.<name>` return access(local shard); the shard stays in _parameters."""
+def _install_access(module: nn.Module, name: str, access: _ShardedParamAccess,
+                    owner: tuple[nn.Module, str] | None = None) -> None:
+    """Make `module.<name>` return access(local shard); the shard stays in _parameters (of
+    `owner`, (module, name), for a parameter tied to another module's)."""
     cls = module.__class__
     accessors = dict(getattr(cls, "_titan_accessors", {}))
     accessors[name] = access
@@ -87,7 +93,24 @@ def _install_access(module: nn.Module, name: str, access: _ShardedParamAccess) -
         cls = type(cls.__name__, (cls,), {"_titan_sharded": True})
         module.__class__ = cls
     cls._titan_accessors = accessors
-    setattr(cls, name, property(lambda self, _n=name: self.__class__._titan_accessors[_n](self._parameters[_n])))
+    if owner is None:
+        setattr(cls, name, property(lambda self, _n=name: self.__class__._titan_accessors[_n](self._parameters[_n])))
+    else:
+        holder, held = owner
+        setattr(cls, name, property(lambda self, _n=name: self.__class__._titan_accessors[_n](holder._parameters[held])))
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the name of the parameter it is (tied weights: the same tensor held by
+    two modules), for each name after the first of a shared parameter."""
+    first: dict[int, str] = {}
+    ties = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties[fqn] = first[id(param)]
+        else:
+            first[id(param)] = fqn
+    return ties
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coords: dict[str, int], *,
@@ -107,13 +130,15 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coord
     # Routed experts are split over ep, so they are data parallel over the other dimensions only.
     expert_dp_names = tuple(n for n in dp_names if n != "ep")
     dp_meshes = {dims: mesh[dims] if dims else None for dims in {dp_names, expert_dp_names}}
-    if mesh is None and compute_dtype == torch.float32:
+    ties = tied_parameters(model)
+    if mesh is None and compute_dtype == torch.float32 and not ties:
         return [ParamShard(fqn=fqn, global_shape=tuple(p.shape), local_shape=tuple(p.shape),
                            placements={}, slices=()) for fqn, p in model.named_parameters()]
     if tp_mesh is not None:
         parallelize_module(model, tp_mesh, tp_plan(model))
 
     shards = []
+    owners: dict[str, tuple[nn.Module, str, ParamShard]] = {}
     for mod_name, module in list(model.named_modules()):
         for pname, param in list(module._parameters.items()):
             if param is None:
@@ -154,14 +179,24 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, coord
             if "dp_shard" in dp_names:
                 # torch.chunk's cut, zero-padded to a full chunk where it does not divide (FSDP2).
                 local = shard_of(local.detach(), [[0, layout.dp_shard, coords["dp_shard"]]])
-            module._parameters[pname] = nn.Parameter(local.detach().clone() if local.device.type != "meta"
-                                                     else torch.empty_like(local), requires_grad=True)
-            _install_access(module, pname, _ShardedParamAccess(
+            access = _ShardedParamAccess(
                 dp_mesh=dp_meshes[param_dp_names], dp_placements=tuple(dp_placements), rows=rows,
                 tp_mesh=tp_mesh if tp_placements else None, tp_placements=tp_placements,
-                tp_plain=not isinstance(param, DTensor), compute_dtype=compute_dtype))
-            shards.append(ParamShard(fqn=fqn, global_shape=global_shape,
-                                     local_shape=tuple(module._parameters[pname].shape),
-                                     placements={n: placements.get(n, "R") for n in names},
-                                     slices=tuple(slices)))
+                tp_plain=not isinstance(param, DTensor), compute_dtype=compute_dtype)
+            shard = ParamShard(fqn=fqn, global_shape=global_shape, local_shape=tuple(local.shape),
+                               placements={n: placements.get(n, "R") for n in names}, slices=tuple(slices))
+            if fqn in ties:
+                holder, held, owned = owners[ties[fqn]]
+                if (owned.global_shape, owned.slices) != (shard.global_shape, shard.slices):
+                    raise ValueError(f"{fqn} is tied to {ties[fqn]}, but this layout splits them differently "
+                                     f"({shard.placements} against {owned.placements}), so they cannot stay one "
+                                     "parameter; use a flavor without tied weights or another layout")
+                del module._parameters[pname]  # read through the owner's shard
+                _install_access(module, pname, access, owner=(holder, held))
+                continue
+            module._parameters[pname] = nn.Parameter(local.detach().clone() if local.device.type != "meta"
+                                                     else torch.empty_like(local), requires_grad=True)
+            _install_access(module, pname, access)
+            owners[fqn] = (module, pname, shard)
+            shards.append(shard)
     return shards

@@ -18,15 +18,27 @@ ROPE_TYPE = ROPE_PREFIX + "rope_type"
 """The RoPE variant ('default' when a config has none; transformers < 5 spells it 'type')."""
 
 
+MAX_CONFIG_LIST = 1 << 12
+"""The longest list a config value may be (layer numbers)."""
+
+
+def _config_value(v) -> bool:
+    """A scalar, or a bounded list of integers."""
+    if isinstance(v, list):
+        return len(v) <= MAX_CONFIG_LIST and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    return isinstance(v, (str, int, float, bool))
+
+
 @dataclass(kw_only=True, frozen=True)
 class HFRecord:
     model_type: str
     """config.json's model_type (e.g. 'llama'); a checkpoint of another type is refused."""
     architectures: tuple[str, ...]
     """config.json's architectures, for exported checkpoints."""
-    config: dict[str, str | int | float | bool]
+    config: dict[str, str | int | float | bool | list[int]]
     """config.json values that must match the artifact's model (Hugging Face's defaults fill
-    what a checkpoint leaves out); titan-export writes them."""
+    what a checkpoint leaves out); titan-export writes them. A list holds layer numbers (Qwen3
+    MoE's mlp_only_layers)."""
     names: dict[str, str]
     """titan parameter (or state buffer a checkpoint holds, e.g. a MoE balancing bias) ->
     Hugging Face tensor name."""
@@ -61,7 +73,7 @@ class HFRecord:
               and isinstance(d.get("architectures"), list) and all(isinstance(a, str) for a in d["architectures"])
               and str_map(d.get("names")) and str_map(d.get("tied_names"))
               and isinstance(d.get("config"), dict)
-              and all(isinstance(v, (str, int, float, bool)) for v in d["config"].values())
+              and all(_config_value(v) for v in d["config"].values())
               and isinstance(d.get("rope_permuted"), dict)
               and all(isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= 1 << 16 and v % 2 == 0
                       for v in d["rope_permuted"].values())

@@ -15,7 +15,7 @@ reviewed and added here (and OPS_VERSION bumped when an artifact could then carr
 
 from __future__ import annotations
 
-OPS_VERSION = 1
+OPS_VERSION = 2
 
 ALLOWED_OPS: frozenset[str] = frozenset({
     # collectives (process groups are bound by the runtime: "$group")
@@ -111,4 +111,9 @@ ALLOWED_OPS: frozenset[str] = frozenset({
     "aten.scatter_add.default",
     "aten.sigmoid_backward.default",
     "aten.slice_backward.default",
+    # Qwen3's softmax router: the softmax, and topk's backward (a bounds-checked scatter of the
+    # chosen probabilities' gradients into zeros)
+    "aten._softmax.default",
+    "aten._softmax_backward_data.default",
+    "aten.scatter.src",
 })

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepseek_debug import BATCH, CFG, SEQ, debug_batch, debug_weights, run_ep_ranks, single_rank_step
-from titan.builder.models.deepseek_v3.expert_parallel import is_expert_param
+from titan.builder.models.moe import is_expert_param
 
 
 @pytest.mark.parametrize("world,ep,ac", [(2, 2, "none"), (4, 2, "full")], ids=["ep2", "dp2xep2-ac-full"])

@@ -16,8 +16,8 @@ import math
 import torch
 
 from deepseek_debug import ALL_TO_ALL, BATCH, CFG, HOST_SYNC_OPS, SEQ, debug_batch, debug_weights, run_ep_ranks
-from titan.builder.models.deepseek_v3.dispatch import make_plan
-from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
+from titan.builder.models.moe.dispatch import make_plan
+from titan.builder.models.moe.expert_parallel import set_dispatch
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 from titan.builder.models.deepseek_v3.moe import route
 

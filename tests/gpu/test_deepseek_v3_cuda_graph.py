@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepseek_debug import CFG, debug_batch, debug_weights
-from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch
+from titan.builder.models.moe.expert_parallel import set_dispatch
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 
 

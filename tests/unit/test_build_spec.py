@@ -13,7 +13,7 @@ DEBUG = dict(model="llama3", flavor="debug", tp=1, dp_shard=1, dp_replicate=1, b
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(model="gpt9"), "unknown model 'gpt9'; available: llama3, deepseek_v3"),
+    (dict(model="gpt9"), "unknown model 'gpt9'; available: llama3, deepseek_v3, qwen3"),
     (dict(flavor="13B"), "unknown flavor '13B' for llama3; available: debug, 1B, 8B, 70B, 405B"),
     (dict(tp=3), "--tp 3 does not divide the attention heads (8); pick a --tp that divides it"),
     (dict(dp_shard=0), "--dp-shard must be >= 1, got 0"),

@@ -196,7 +196,7 @@ def test_the_hugging_face_record_reads_back_and_names_each_tensor():
     ("stacked/experts", "model.experts.weight"),  # no place for the expert index
     ("stacked/w", "model.w.{i}"),                 # also named whole
     ("rope_permuted/w", 0),
-    ("config/hidden_size", [256]),
+    ("config/hidden_size", ["256"]),  # a list holds layer numbers only
     ("architectures", "LlamaForCausalLM"),
     ("names/w", 7),
 ])

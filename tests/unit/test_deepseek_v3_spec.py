@@ -10,7 +10,7 @@ import torch
 from deepseek_debug import CFG
 from titan.builder.models.deepseek_v3 import SPEC
 from titan.builder.models.deepseek_v3.config import FLAVORS
-from titan.builder.models.deepseek_v3.dispatch import make_plan
+from titan.builder.models.moe.dispatch import make_plan
 
 
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))

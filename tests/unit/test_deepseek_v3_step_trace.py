@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import fx
 
 from deepseek_debug import ALL_TO_ALL, CFG, HOST_SYNC_OPS, SEQ
-from titan.builder.models.deepseek_v3.expert_parallel import set_dispatch, shard_experts
+from titan.builder.models.moe.expert_parallel import set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 
 

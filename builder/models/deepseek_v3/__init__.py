@@ -1,8 +1,7 @@
 """DeepSeek-V3 (multi-head latent attention, a mixture of experts with expert parallelism):
-shapes (config.py), module code (model.py, moe.py), parameter init (init.py), the token dispatch (dispatch.py), expert
-layout (expert_parallel.py), tensor-parallel plan (tp_plan.py) and transformers' names (hf_names.py), behind
-one ModelSpec.
-Importing this imports no torch.
+shapes (config.py), module code (model.py, moe.py), parameter init (init.py), tensor-parallel plan (tp_plan.py) and transformers' names (hf_names.py), behind
+one ModelSpec. The token dispatch and the expert layout are builder/models/moe's, shared with
+Qwen3. Importing this imports no torch.
 """
 
 from __future__ import annotations
@@ -11,22 +10,9 @@ from titan.builder.models.spec import require_divides
 from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config
 from titan.builder.models.deepseek_v3.hf_names import hf_checkpoint
 from titan.builder.models.deepseek_v3.init import init_specs
+from titan.builder.models.moe import buffer_metric, is_expert_param
 from titan.builder.models.spec import ModelSpec, lazy
 from titan.runtime.contract.layout import Layout
-
-
-def is_expert_param(fqn: str) -> bool:
-    """Whether a parameter is a routed expert's (split over ep, data parallel over the rest)."""
-    # The stacked expert weights are the model's only parameters not named "<module>.weight".
-    return fqn.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
-
-
-BUFFER_METRICS = {"tokens_per_expert": "tokens_per_expert", "dropped_tokens": "dropped_tokens"}
-
-
-def buffer_metric(fqn: str) -> str | None:
-    """The MoE layers' load buffers feed titan-run's per-step expert-load metrics."""
-    return BUFFER_METRICS.get(fqn.rsplit(".", 1)[-1])
 
 
 def check_layout(cfg: DeepSeekV3Config, layout: Layout) -> None:
@@ -62,7 +48,7 @@ SPEC = ModelSpec(
     check_layout=check_layout,
     region_kind=region_kind,
     expert_param=is_expert_param,
-    place_rank=lazy("titan.builder.models.deepseek_v3.expert_parallel:place_rank"),
+    place_rank=lazy("titan.builder.models.moe.expert_parallel:place_rank"),
     buffer_metric=buffer_metric,
     leading_layers=lambda cfg: cfg.n_dense_layers,
     # Measured on an H100 (benchmarks/gpu/gpu_deepseek.sh, --deterministic): with fuse_exact's regions

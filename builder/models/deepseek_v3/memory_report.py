@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.builder.models.deepseek_v3.config import FLAVORS
-from titan.builder.models.deepseek_v3.dispatch import DispatchPlan, make_plan
+from titan.builder.models.moe.dispatch import DispatchPlan, make_plan
 from titan.builder.models.deepseek_v3.moe import MoE
 
 

@@ -1,5 +1,5 @@
 """DeepSeek-V3 decoder (multi-head latent attention, dense then mixture-of-experts blocks),
-written for tracing like llama3.py: plain PyTorch, attention through the runtime's
+written for tracing like Llama 3: plain PyTorch, attention through the runtime's
 device-dispatched op, RoPE tables computed inside forward (no constants in the graph).
 """
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan.builder.models.decoder import RMSNorm, SwiGLU, apply_rope, decoder_loss
+from titan.builder.models.decoder import DecoderBlock, RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
 from titan.builder.models.deepseek_v3.moe import MoE
 from titan.runtime.contract.ops import causal_attention
@@ -88,18 +88,11 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, cfg: DeepSeekV3Config, layer: int):
-        super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = MultiHeadLatentAttention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.moe = layer >= cfg.n_dense_layers
-        self.feed_forward = MoE(cfg) if self.moe else SwiGLU(cfg.dim, cfg.dense_hidden)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+def transformer_block(cfg: DeepSeekV3Config, layer: int) -> DecoderBlock:
+    """The first n_dense_layers blocks have a dense feed-forward, the rest the mixture of experts."""
+    moe = layer >= cfg.n_dense_layers
+    return DecoderBlock(dim=cfg.dim, norm_eps=cfg.norm_eps, attention=MultiHeadLatentAttention(cfg),
+                        feed_forward=MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.dense_hidden), moe=moe)
 
 
 class DeepSeekV3(nn.Module):
@@ -109,7 +102,7 @@ class DeepSeekV3(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): transformer_block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

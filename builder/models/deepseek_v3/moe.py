@@ -1,19 +1,19 @@
 """DeepSeek-V3's mixture of experts: sigmoid router with group-limited top-k and the
 auxiliary-loss-free balancing bias, routed SwiGLU experts (dispatched over expert-parallel
-ranks, see dispatch.py) and shared experts.
+ranks, see builder/models/moe/dispatch.py) and shared experts.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 from titan.builder.models.decoder import SwiGLU
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
-from titan.builder.models.deepseek_v3.dispatch import DispatchPlan, dispatch_and_combine
+from titan.builder.models.moe.dispatch import DispatchPlan, dispatch_and_combine
+from titan.builder.models.moe.load import global_load
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, cfg: DeepSeekV3Config
@@ -56,6 +56,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         e, d, h = cfg.n_routed_experts, cfg.dim, cfg.moe_hidden
+        self.n_experts, self.top_k = e, cfg.top_k
         self.gate = nn.Linear(d, e, bias=False)
         # Stacked expert weights, (experts, out, in) like nn.Linear's, so a slice on dim 0 is
         # one rank's experts.
@@ -87,10 +88,7 @@ class MoE(nn.Module):
     def _record_load(self, tokens_per_expert: torch.Tensor, dropped: torch.Tensor) -> None:
         """Auxiliary-loss-free balancing (DeepSeek-V3, section 2.1.2): after routing with the
         current bias, move every expert's bias by bias_update_rate towards the mean load."""
-        counts = torch.cat([tokens_per_expert, dropped.view(1)])
-        for group in self.load_groups:  # integer sums: exact in any order
-            counts = funcol.all_reduce(counts, "sum", group)
-        load, dropped = counts[:-1], counts[-1]
+        load, dropped = global_load(tokens_per_expert, dropped, self.load_groups)
         load_f = load.float()
         self.expert_bias.add_(torch.sign(load_f.mean() - load_f) * self.cfg.bias_update_rate)
         self.tokens_per_expert.copy_(load)

@@ -9,9 +9,8 @@ the whole sequence on every rank and stay replicated: their gradients are comple
 rank. The rotary key part shared by all heads meets only this rank's heads, so its gradient is
 summed over tp (`rope_key`).
 
-The mixture of experts routes this rank's sequence shard, as torchtitan's does with sequence
-parallel: it takes and returns local tensors, and its parameters, which the plan leaves plain,
-have their gradients summed over tp (builder/trace/parallelize.py).
+The mixture of experts routes this rank's sequence shard (builder/models/decoder_tp.py's
+routed_experts_plan).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from titan.builder.models.decoder_tp import embedding_and_output_plan, routed_experts_plan, swiglu_plan
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
 
 
@@ -50,11 +50,7 @@ class SumGradients(ParallelStyle):
 
 def tp_plan(model: DeepSeekV3) -> dict:
     cfg = model.cfg
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
-    }
+    plan = embedding_and_output_plan()
     for name, block in model.layers.items():
         p = f"layers.{name}."
         plan.update({
@@ -74,15 +70,5 @@ def tp_plan(model: DeepSeekV3) -> dict:
                          p + "attention.wq_b": ColwiseParallel()})
         else:
             plan[p + "attention.wq"] = ColwiseParallel()
-        if block.moe:
-            # This rank's tokens in, this rank's tokens out (local tensors).
-            plan[p + "feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                                          use_local_output=True)
-        else:
-            plan.update({
-                p + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                p + "feed_forward.w1": ColwiseParallel(),
-                p + "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                p + "feed_forward.w3": ColwiseParallel(),
-            })
+        plan.update(routed_experts_plan(p) if block.moe else swiglu_plan(p))
     return plan

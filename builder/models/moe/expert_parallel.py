@@ -1,9 +1,12 @@
-"""Lay a DeepSeekV3 module's routed experts out over expert-parallel ranks.
+"""Lay a model's routed experts out over expert-parallel ranks (the MoE families' place_rank).
 
 The `ep` ranks are carved from the data-parallel ranks (as torchtitan does): each routes its
-own tokens, holds n_routed_experts / ep of every MoE layer's experts (a contiguous run, so
-expert e lives on rank e // experts_per_rank) and exchanges tokens with its peers through the
+own tokens, holds n_experts / ep of every MoE layer's experts (a contiguous run, so expert e
+lives on rank e // experts_per_rank) and exchanges tokens with its peers through the
 static-buffer dispatch. Everything outside the routed experts stays data parallel.
+
+The model lists its MoE layers with `moe_layers()` (see builder/models/moe/__init__.py for
+what a layer holds).
 """
 
 from __future__ import annotations
@@ -12,33 +15,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan.builder.models.deepseek_v3 import is_expert_param
-from titan.builder.models.deepseek_v3.dispatch import DispatchPlan, make_plan
-from titan.builder.models.deepseek_v3.model import DeepSeekV3
+from titan.builder.models.moe import EXPERT_WEIGHTS, is_expert_param
+from titan.builder.models.moe.dispatch import DispatchPlan, make_plan
 from titan.builder.models.spec import RankPlace
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
 __all__ = ["is_expert_param", "place_rank", "set_dispatch", "shard_experts"]
 
 
-def set_dispatch(model: DeepSeekV3, *, tokens: int, ep: int = 1, ep_group: dist.ProcessGroup | None = None,
+def set_dispatch(model: nn.Module, *, tokens: int, ep: int = 1, ep_group: dist.ProcessGroup | None = None,
                  load_groups: tuple[dist.ProcessGroup, ...] = (),
                  capacity_factor: float | None = None) -> DispatchPlan:
     """Give every MoE layer its static dispatch plan for `tokens` routed per rank per step.
 
     ep_group: the expert-parallel peers (None when ep == 1); load_groups: groups whose sums,
-    taken one after the other, add up every rank that routes its own tokens and shares the
-    balancing bias (none on a single rank).
+    taken one after the other, add up every rank that routes its own tokens (and, where the
+    family has one, shares the balancing bias); none on a single rank.
     """
-    cfg = model.cfg
-    plan = make_plan(n_experts=cfg.n_routed_experts, ep=ep, tokens=tokens, top_k=cfg.top_k,
+    layers = model.moe_layers()
+    first = layers[0]
+    plan = make_plan(n_experts=first.n_experts, ep=ep, tokens=tokens, top_k=first.top_k,
                      capacity_factor=capacity_factor)
-    for moe in model.moe_layers():
+    for moe in layers:
+        assert (moe.n_experts, moe.top_k) == (first.n_experts, first.top_k), "one plan fits every MoE layer"
         moe.plan, moe.ep_group, moe.load_groups = plan, ep_group, load_groups
     return plan
 
 
-def place_rank(model: DeepSeekV3, place: RankPlace) -> dict:
+def place_rank(model: nn.Module, place: RankPlace) -> dict:
     """The ModelSpec hook: every rank routes its own tokens (its sequence shard under tp), sends
     them to the experts' ranks over `ep` and sums the expert load over every mesh dimension (all
     ranks route distinct tokens). Returns the dispatch plan, the same on every rank."""
@@ -53,7 +56,7 @@ def place_rank(model: DeepSeekV3, place: RankPlace) -> dict:
             "buffer_rows": plan.buffer_rows, "dropless": plan.dropless}
 
 
-def shard_experts(model: DeepSeekV3, *, ep: int, ep_rank: int) -> None:
+def shard_experts(model: nn.Module, *, ep: int, ep_rank: int) -> None:
     """Keep only this rank's experts of every MoE layer (their parameters are replaced)."""
     for moe in model.moe_layers():
         for name in EXPERT_WEIGHTS:
@@ -61,4 +64,3 @@ def shard_experts(model: DeepSeekV3, *, ep: int, ep_rank: int) -> None:
             per_rank = full.shape[0] // ep
             local = full.detach().narrow(0, ep_rank * per_rank, per_rank)
             setattr(moe, name, nn.Parameter(local.clone() if local.device.type != "meta" else torch.empty_like(local)))
-

@@ -1,0 +1,45 @@
+"""Qwen3 decoder, dense or with a mixture of experts, written for tracing: Llama's block
+(builder/models/decoder.py) with a per-head RMSNorm of queries and keys before RoPE, an
+explicit head width, and, in the small dense models, the output projection tied to the
+embedding (one parameter: builder/trace/parallelize.py keeps it one under every layout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan.builder.models.decoder import DecoderBlock, GroupedQueryAttention, RMSNorm, SwiGLU, decoder_loss, rope_tables
+from titan.builder.models.qwen3.config import Qwen3Config
+from titan.builder.models.qwen3.moe import MoE
+
+
+def transformer_block(cfg: Qwen3Config, layer: int) -> DecoderBlock:
+    attention = GroupedQueryAttention(dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                                      head_dim=cfg.head_dim, qk_norm_eps=cfg.norm_eps)
+    moe = cfg.is_moe_layer(layer)
+    return DecoderBlock(dim=cfg.dim, norm_eps=cfg.norm_eps, attention=attention,
+                        feed_forward=MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.ffn_hidden), moe=moe)
+
+
+class Qwen3(nn.Module):
+    """Decoder that returns this rank's share of the mean next-token loss (see Llama3)."""
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): transformer_block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    loss_scale: float = 1.0
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.feed_forward for block in self.layers.values() if block.moe]
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        return decoder_loss(self, tokens, labels, cos, sin)
