@@ -48,9 +48,14 @@ from titan.cli.options import POSITIVE, NonEmptyPath
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
               "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
+@click.option("--sign", "sign_key", default=None, type=NonEmptyPath(dir_okay=False),
+              help="Sign the artifact's manifest with this key file (made, mode 0600, if missing): titan-run --trust "
+                   "KEYFILE then loads the compiled kernels it carries.")
 def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
-         replace, jobs, cache_dir, explain, kernels):
+         replace, jobs, cache_dir, explain, kernels, sign_key):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
+    from titan.runtime import compiler_caches
+    compiler_caches.ensure()  # tracing and --kernels drive inductor: its caches must be private first
     if list_passes:
         from titan.builder.passes import PASSES, default_passes
         defaults = default_passes({"dp_shard": 2})
@@ -119,6 +124,10 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
         from titan.builder.kernels import add_kernels
         manifest, stats = add_kernels(cache, outcome.key, out)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
+    if sign_key is not None:
+        from titan.runtime.artifact_signature import sign_artifact
+        click.echo(f"signed: {out}/manifest.sig with key {sign_artifact(out, sign_key)} ({sign_key}; titan-run "
+                   f"--trust {sign_key} loads its kernels)")
     size = sum((out / rel).stat().st_size for rel in manifest.files)
     programs = len(manifest.programs)
     if outcome.note:
