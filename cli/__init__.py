@@ -4,8 +4,9 @@ Every command imports this package first (a console script and `python -m titan.
 before click, numpy or torch: that is where Ctrl-C handling is installed, so that a Ctrl-C at
 any instant of any command, imports included, ends it with one `interrupted` line and status 130
 (runtime/interrupt.py says how). It is also where the compilers' caches are pointed into the
-user's private directory, before anything can read them (runtime/compiler_caches.py). A titan-run rank or a build worker (RANK set, or a
-multiprocessing child) ends quietly: its launcher reports.
+user's private directory, before anything can read them (runtime/compiler_caches.py). A
+titan-run rank or a build worker (RANK set, or a multiprocessing child) ends quietly: its
+launcher reports.
 """
 
 import os as _os
