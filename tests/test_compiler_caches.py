@@ -161,3 +161,15 @@ def test_modules_planted_in_inductors_default_cache_run_in_a_plain_process_and_n
     assert not canary.exists(), "a titan process imported a module planted in inductor's default cache"
     assert _tree(tmp) == before, "a titan process wrote into the planted default cache"
     assert list((tmp_path / "cache" / "private" / "inductor").rglob("*.py")), "titan compiled nothing"
+
+
+def test_a_shared_cache_keeps_no_private_directory_inside_it(tmp_path, monkeypatch):
+    # Whoever can write a shared cache could rename a private directory inside it away after
+    # titan checked it: with TITAN_SHARED_CACHE=1 the compilers' caches live in the user's home.
+    from titan.runtime.compiler_caches import private_root
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "shared"))
+    assert private_root() == tmp_path / "shared" / "private"
+    monkeypatch.setenv("TITAN_SHARED_CACHE", "1")
+    assert private_root() == tmp_path / "home" / ".cache" / "titan-private"
