@@ -49,8 +49,8 @@ from titan.cli.options import POSITIVE, NonEmptyPath
 @click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
               "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
 @click.option("--sign", "sign_key", default=None, type=NonEmptyPath(dir_okay=False),
-              help="Sign the artifact's manifest with this key file (made, mode 0600, if missing): titan-run --trust "
-                   "KEYFILE then loads the compiled kernels it carries.")
+              help="Sign the artifact's manifest with this key file (made, mode 0600, if missing) instead of your own "
+                   "cache key: titan-run --trust KEYFILE then loads the compiled kernels it carries.")
 def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
          replace, jobs, cache_dir, explain, kernels, sign_key):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
@@ -124,10 +124,11 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
         from titan.builder.kernels import add_kernels
         manifest, stats = add_kernels(cache, outcome.key, out)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
+    from titan.runtime.artifact_signature import sign_artifact, signing_key
+    signer = sign_artifact(out, signing_key(sign_key))  # your own key unless --sign names one
     if sign_key is not None:
-        from titan.runtime.artifact_signature import sign_artifact
-        click.echo(f"signed: {out}/manifest.sig with key {sign_artifact(out, sign_key)} ({sign_key}; titan-run "
-                   f"--trust {sign_key} loads its kernels)")
+        click.echo(f"signed: {out}/manifest.sig with key {signer} ({sign_key}; titan-run --trust {sign_key} loads "
+                   "its kernels)")
     size = sum((out / rel).stat().st_size for rel in manifest.files)
     programs = len(manifest.programs)
     if outcome.note:

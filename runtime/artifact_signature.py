@@ -1,9 +1,10 @@
 """Whose code an artifact carries: its manifest's signature, and whether a run may load the
 compiled kernels it lists (docs/trust.md).
 
-An artifact's kernels (titan-build --kernels) are GPU code. A run loads them only when the
-manifest is signed with a key the user trusts: their own cache key ($TITAN_KEY_FILE), or a key
-file they name with `titan-run --trust KEYFILE`; or when they opt in with
+An artifact's kernels (titan-build --kernels) are GPU code. titan-build signs every artifact it
+writes: with the key file given to --sign, else with the user's own cache key ($TITAN_KEY_FILE).
+A run loads an artifact's kernels only when the manifest is signed with a key the user trusts:
+their own cache key, or a key file they name with `titan-run --trust KEYFILE`; or when they opt in with
 `--trust-unsigned-kernels`. Otherwise the kernels are ignored, the run says so in one line and
 compiles the regions itself (from its own kernel store when it has them). The manifest names
 every file of the artifact by sha256, so signing it signs them all.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.runtime.contract.manifest import MANIFEST
-from titan.runtime.record_signing import KeyFileError, key_file, key_id, load_key, mac
+from titan.runtime.record_signing import KeyFileError, key_file, key_id, load_key, mac, user_key
 from titan.runtime.safe_files import UnsafeFile, loads_json, read_regular
 
 SIGNATURE = "manifest.sig"
@@ -51,11 +52,18 @@ class Signature:
     mac: str
 
 
-def sign_artifact(root: Path, key_path: str) -> str:
-    """Sign the manifest of the artifact at `root` with the key in `key_path` (made, 0600, if
-    there is none); returns the key's id."""
-    key = load_key(Path(key_path), create=True, what="the signing key",
-                   fix="give --sign a key file only you can read (a new one is made where none is)")
+def signing_key(path: str | None) -> bytes:
+    """The key titan-build signs with: the key file given to --sign (made, 0600, if there is
+    none), else the user's own cache key (so that the user's own artifacts carry their kernels
+    to wherever that key is)."""
+    if path is None:
+        return user_key()
+    return load_key(Path(path), create=True, what="the signing key",
+                    fix="give --sign a key file only you can read (a new one is made where none is)")
+
+
+def sign_artifact(root: Path, key: bytes) -> str:
+    """Sign the manifest of the artifact at `root` with `key`; returns the key's id."""
     data = read_regular(root, MANIFEST, max_size=64 << 20, what=str(root / MANIFEST))
     doc = {"format": SIGNATURE_FORMAT, "version": SIGNATURE_VERSION, "key_id": key_id(key),
            "mac": mac(key, KIND, MANIFEST, data)}
@@ -143,16 +151,14 @@ def kernels_trusted(art, trust: KernelTrust) -> tuple[bool, str]:
 def describe_code(art) -> str:
     """titan-show's line: whether the artifact carries code, and who signed it."""
     count = len(art.manifest.kernels)
-    if not count:
-        return "code: none (graphs and metadata only; titan-run generates any kernels itself)"
-    head = f"code: {count} compiled kernel{'s' * (count > 1)} (kernel plans: GPU code)"
+    head = (f"code: {count} compiled kernel{'s' * (count > 1)} (kernel plans: GPU code)" if count else
+            "code: none (graphs and metadata only; titan-run generates any kernels itself)")
     signature = read_signature(art.root)
-    if signature is None:
-        return f"{head}; unsigned: titan-run ignores them unless given --trust-unsigned-kernels"
-    if isinstance(signature, str):
-        return f"{head}; {signature}: titan-run ignores them unless given --trust-unsigned-kernels"
+    if not isinstance(signature, Signature):
+        why = "unsigned" if signature is None else signature
+        return f"{head}; {why}" + (": titan-run ignores them unless given --trust-unsigned-kernels" if count else "")
     mine = own_key()
     if mine is not None and signed_by(art.manifest_bytes, signature, [mine]) is not None:
         return f"{head}; signed by your own key ({signature.key_id})"
-    return (f"{head}; signed by key {signature.key_id} (not yours: titan-run loads them with --trust KEYFILE "
-            "for that key)")
+    return (f"{head}; signed by key {signature.key_id} (not yours" +
+            (": titan-run loads them with --trust KEYFILE for that key)" if count else ")"))

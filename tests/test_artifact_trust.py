@@ -16,7 +16,7 @@ import pytest
 
 from conftest import titan
 from titan.runtime.artifact import open_artifact
-from titan.runtime.artifact_signature import KernelTrust, describe_code, kernels_trusted, sign_artifact
+from titan.runtime.artifact_signature import KernelTrust, describe_code, kernels_trusted, sign_artifact, signing_key
 from titan.runtime.record_signing import KeyFileError, key_id, load_key
 
 
@@ -40,6 +40,7 @@ def _with_kernels(src: Path, dst: Path, payload: bytes, *, keys=("0" * 32,), tag
     """A copy of `src` as a crafted artifact: built with --fuse blocks by its manifest, carrying
     `payload` as the kernel of `keys`, hashes consistent; `tag` marks a forward node a region."""
     shutil.copytree(src, dst)
+    (dst / "manifest.sig").unlink()  # crafted: unsigned (titan-build signed the original with the user's key)
     m = json.loads((dst / "manifest.json").read_text())
     m["passes"] = m["passes"] + ["fuse_blocks"]
     sha = hashlib.sha256(payload).hexdigest()
@@ -81,17 +82,17 @@ def test_trust_decision_follows_the_signature_and_the_keys_named(plain, tmp_path
     trusted, line = kernels_trusted(unsigned, KernelTrust(unsigned=True))
     assert trusted and "--trust-unsigned-kernels" in line
 
-    team_id = sign_artifact(art, str(team))
+    team_id = sign_artifact(art, signing_key(str(team)))
     assert (team.stat().st_mode & 0o777) == 0o600
     signed = open_artifact(art)
     assert team_id == key_id(load_key(team, create=False, what="k", fix=""))
     assert f"signed by key {team_id} (not yours" in describe_code(signed)
     trusted, line = kernels_trusted(signed, KernelTrust())
     assert not trusted and f"signed by key {team_id}, which you did not --trust" in line
-    sign_artifact(tmp_path / "art", str(other))  # a key made elsewhere: trusting it is not trusting team's
+    sign_artifact(art, signing_key(str(other)))  # a key made elsewhere: trusting it is not trusting team's
     trusted, _ = kernels_trusted(open_artifact(art), KernelTrust(keys=(str(team),)))
     assert not trusted
-    sign_artifact(art, str(team))
+    sign_artifact(art, signing_key(str(team)))
     trusted, line = kernels_trusted(open_artifact(art), KernelTrust(keys=(str(other), str(team))))
     assert trusted and "signed by a key you trust" in line
     # Edited after signing (hashes made consistent again): the signature no longer verifies.
@@ -109,7 +110,7 @@ def test_trust_decision_follows_the_signature_and_the_keys_named(plain, tmp_path
     assert not trusted and "symbolic link" in line
     # Your own key is trusted without naming it.
     (art / "manifest.sig").unlink()
-    sign_artifact(art, os.environ["TITAN_KEY_FILE"])
+    sign_artifact(art, signing_key(None))
     trusted, line = kernels_trusted(open_artifact(art), KernelTrust())
     assert trusted and "your own key" in line and "signed by your own key" in describe_code(open_artifact(art))
 
@@ -134,9 +135,9 @@ def test_signed_build_and_show_say_who_signed_and_whether_it_carries_code(tmp_pa
     assert f"signed: {out}/manifest.sig with key " in r.stdout and (out / "manifest.sig").is_file()
     show = titan("show", out, "--graph", "fw")
     assert show.returncode == 0 and show.stdout.splitlines()[0].startswith("code: none"), show.stdout[:300]
-    # A rebuild without --sign leaves no stale signature behind.
+    # A rebuild without --sign is signed with the builder's own cache key: their own runs trust it.
     assert titan("build", "--flavor", "debug", "--out", out).returncode == 0
-    assert not (out / "manifest.sig").exists()
+    assert "signed by your own key" in describe_code(open_artifact(out))
 
 
 def test_unsigned_artifact_kernels_are_ignored_in_one_line_and_the_run_goes_on(plain, tmp_path):
