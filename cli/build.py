@@ -55,6 +55,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
          replace, jobs, cache_dir, explain, kernels, sign_key):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     from titan.runtime import compiler_caches
+    from titan.runtime.artifact_signature import sign_artifact, signing_key
     compiler_caches.ensure()  # tracing and --kernels drive inductor: its caches must be private first
     if list_passes:
         from titan.builder.passes import PASSES, default_passes
@@ -65,6 +66,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
             needs = f", needs {' and '.join('--' + d.replace('_', '-') + ' > 1' for d in p.needs)}" if p.needs else ""
             click.echo(f"{name} [{label}{default}{needs}]: {p.line}")
         return
+    signer_key = signing_key(sign_key)  # a key file that cannot be used is refused before anything is traced
     from titan.builder.build import build, check_replaceable, make_spec, nearest_entry
     from titan.builder.cache import Cache
     from titan.builder.cache_key import build_factors, digest
@@ -124,8 +126,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
         from titan.builder.kernels import add_kernels
         manifest, stats = add_kernels(cache, outcome.key, out)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
-    from titan.runtime.artifact_signature import sign_artifact, signing_key
-    signer = sign_artifact(out, signing_key(sign_key))  # your own key unless --sign names one
+    signer = sign_artifact(out, signer_key)  # your own key unless --sign names one
     if sign_key is not None:
         click.echo(f"signed: {out}/manifest.sig with key {signer} ({sign_key}; titan-run --trust {sign_key} loads "
                    "its kernels)")
