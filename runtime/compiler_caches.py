@@ -12,8 +12,9 @@ import of torch._inductor.codecache). So every titan command calls `install()` f
 of them, and the temp directory itself, into `private_root()`:
 
     $TITAN_CACHE_DIR/private/         (default ~/.cache/titan/private; with a shared cache,
-                                       TITAN_SHARED_CACHE=1, ~/.cache/titan-private instead:
-                                       a directory others can write cannot hold a private one)
+                                       TITAN_SHARED_CACHE=1, compiler-caches/ beside the user's
+                                       key file instead, default ~/.config/titan/: a directory
+                                       others can write cannot hold a private one)
         inductor/  triton/{cache,dump,override}/  torch_extensions/  cuda/  tmp/
 
 The root is made by titan (mode 0700), must be a directory owned by the user that no one else
@@ -56,7 +57,8 @@ class PrivateDirError(ValueError):
 def private_root() -> Path:
     """The one place the compilers' caches go (see the module docstring)."""
     if os.environ.get(SHARED_ENV, "") == "1":
-        return Path("~/.cache/titan-private").expanduser()
+        from titan.runtime.record_signing import key_file
+        return key_file().parent / "compiler-caches"
     return Path(os.environ.get("TITAN_CACHE_DIR") or "~/.cache/titan").expanduser() / "private"
 
 

@@ -165,11 +165,11 @@ def test_modules_planted_in_inductors_default_cache_run_in_a_plain_process_and_n
 
 def test_a_shared_cache_keeps_no_private_directory_inside_it(tmp_path, monkeypatch):
     # Whoever can write a shared cache could rename a private directory inside it away after
-    # titan checked it: with TITAN_SHARED_CACHE=1 the compilers' caches live in the user's home.
+    # titan checked it: with TITAN_SHARED_CACHE=1 the compilers' caches live beside the user's key.
     from titan.runtime.compiler_caches import private_root
 
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TITAN_KEY_FILE", str(tmp_path / "config" / "cache.key"))
     monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "shared"))
     assert private_root() == tmp_path / "shared" / "private"
     monkeypatch.setenv("TITAN_SHARED_CACHE", "1")
-    assert private_root() == tmp_path / "home" / ".cache" / "titan-private"
+    assert private_root() == tmp_path / "config" / "compiler-caches"
