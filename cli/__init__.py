@@ -3,12 +3,18 @@
 Every command imports this package first (a console script and `python -m titan.cli.X` alike),
 before click, numpy or torch: that is where Ctrl-C handling is installed, so that a Ctrl-C at
 any instant of any command, imports included, ends it with one `interrupted` line and status 130
-(runtime/common/interrupt.py says how). A titan-run rank or a build worker (RANK set, or a
-multiprocessing child) ends quietly: its launcher reports.
+(runtime/common/interrupt.py says how). It is also where the compilers' caches are pointed into
+the user's private directory, before anything can read them (runtime/common/compiler_caches.py).
+A titan-run rank or a build worker (RANK set, or a multiprocessing child) ends quietly: its
+launcher reports.
 """
 
 import os as _os
 
+from titan.runtime.common import compiler_caches as _compiler_caches
 from titan.runtime.common import interrupt as _interrupt
 
 _interrupt.install(quiet="RANK" in _os.environ)
+# Before torch is imported: the caches of the compilers titan drives are private to the user
+# (runtime/common/compiler_caches.py says why; the commands that compile report a problem in one line).
+_compiler_caches.install()

@@ -47,9 +47,15 @@ from titan.cli.options import POSITIVE, NonEmptyPath
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
               "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
+@click.option("--sign", "sign_key", default=None, type=NonEmptyPath(dir_okay=False),
+              help="Sign the artifact's manifest with this key file (made, mode 0600, if missing) instead of your own "
+                   "cache key: titan-run --trust KEYFILE then loads the compiled kernels it carries.")
 def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
-         replace, jobs, cache_dir, explain, kernels):
+         replace, jobs, cache_dir, explain, kernels, sign_key):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
+    import titan.runtime.common.compiler_caches as compiler_caches
+    from titan.runtime.kernels.artifact_trust import sign_artifact, signing_key
+    compiler_caches.ensure()  # tracing and --kernels drive inductor: its caches must be private first
     if list_passes:
         from titan.builder.passes.registry import PASSES, default_passes
         defaults = default_passes({"dp_shard": 2})
@@ -67,6 +73,7 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     import titan.runtime.common.timings as timings
     from titan.runtime.memory_estimate import PARAM_STATE_BYTES, param_elements
     from titan.runtime.store.lock import LOCK_WAIT_ENV, lock_wait_s
+    signer_key = signing_key(sign_key)  # a key file that cannot be used is refused before anything is traced
     from titan.cli.build_progress import BuildProgress
 
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
@@ -126,6 +133,10 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
         from titan.builder.export.kernels import add_kernels
         manifest, stats = add_kernels(cache, outcome.key, out)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
+    signer = sign_artifact(out, signer_key)  # your own key unless --sign names one
+    if sign_key is not None:
+        click.echo(f"signed: {out}/manifest.sig with key {signer} ({sign_key}; titan-run --trust {sign_key} loads "
+                   "its kernels)")
     size = sum((out / rel).stat().st_size for rel in manifest.files)
     programs = len(manifest.programs)
     if outcome.note:

@@ -60,3 +60,23 @@ def command_args() -> list[str]:
     """The arguments this command was given: what ranks it spawns (`python -m titan.cli.run`)
     are given, whether it ran as titan-run or as `titan run`."""
     return click.get_current_context().meta.get(COMMAND_ARGS, sys.argv[1:])
+
+
+def kernel_trust_options(command):
+    """--trust KEYFILE (repeatable) and --trust-unsigned-kernels: whose compiled kernels in an
+    artifact a run loads (runtime/kernels/artifact_trust.py); titan-run and titan-verify."""
+    command = click.option("--trust-unsigned-kernels", is_flag=True,
+                           help="Load the compiled kernels the artifact carries although no key you trust signed it "
+                                "(they are GPU code: as trusting a wheel you install).")(command)
+    return click.option("--trust", "trust_keys", multiple=True, type=NonEmptyPath(dir_okay=False),
+                        help="Load the artifact's compiled kernels when its manifest is signed with this key file "
+                             "(titan-build --sign); repeatable. Your own cache key is always trusted.")(command)
+
+
+def kernel_trust(trust_keys, trust_unsigned_kernels):
+    """The KernelTrust the options give, its key files checked (one line if one cannot be used)."""
+    from titan.runtime.kernels.artifact_trust import KernelTrust, check_keys
+
+    trust = KernelTrust(keys=tuple(trust_keys), unsigned=trust_unsigned_kernels)
+    check_keys(trust)
+    return trust

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import click
 
 from titan.cli.errors import Command
-from titan.cli.options import LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, NonEmptyPath, command_args
+from titan.cli.options import kernel_trust, kernel_trust_options, LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, NonEmptyPath, command_args
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
@@ -56,10 +56,14 @@ if TYPE_CHECKING:
 @click.option("--resume", is_flag=True, help="Continue from the latest complete checkpoint in --checkpoint-dir.")
 @click.option("--resume-with-changes", is_flag=True,
               help="With --resume: accept a --seed, --data or --lr other than the checkpoint's.")
+@kernel_trust_options
 def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, tensorboard, device, deterministic,
          timeout_s, cuda_graphs, fused_adamw, init_from_hf, checkpoint_dir, checkpoint_every, resume,
-         resume_with_changes):
+         resume_with_changes, trust_keys, trust_unsigned_kernels):
     """Train from ARTIFACT (a directory written by titan-build)."""
+    import titan.runtime.common.compiler_caches as compiler_caches
+    compiler_caches.ensure()  # regions may compile: the compilers' caches must be private first
+    trust = kernel_trust(trust_keys, trust_unsigned_kernels)
     if resume_with_changes and not resume:
         raise ValueError("--resume-with-changes only applies with --resume")
     launcher = "RANK" not in os.environ  # else one rank: spawned by the launcher below, or by torchrun
@@ -72,7 +76,7 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
                     data_dtype=data_dtype, metrics=metrics, tensorboard=tensorboard, device=device,
                     deterministic=deterministic, cuda_graphs=cuda_graphs, fused_adamw=fused_adamw, timeout_s=timeout_s,
                     init_from_hf=init_from_hf, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                    resume=resume, resume_with_changes=resume_with_changes)
+                    resume=resume, resume_with_changes=resume_with_changes, kernel_trust=trust)
     if not launcher:
         from titan.runtime.distributed import exit_rank
         from titan.runtime.train import rank_main

@@ -17,7 +17,10 @@ def main(artifact, rank, graph):
     from titan.cli.tools.graph_listing import list_graph, list_rank_plan
     from titan.runtime.contract.artifact import open_artifact
 
+    from titan.runtime.kernels.artifact_trust import describe_code
+
     art = open_artifact(artifact, check_torch=False)
+    click.echo(describe_code(art))
     for line in list_rank_plan(art, rank):
         click.echo(line)
     kinds = {"fw": ["forward"], "bw": ["backward"], "all": ["forward", "backward"]}[graph]

@@ -11,7 +11,7 @@ import time
 import click
 
 from titan.cli.errors import Command
-from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, NonEmptyPath, command_args
+from titan.cli.options import kernel_trust, kernel_trust_options, LEARNING_RATE, POSITIVE, SEED, NonEmptyPath, command_args
 
 
 @click.command(cls=Command)
@@ -30,8 +30,13 @@ from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, NonEmptyPath, comma
               help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
 @click.option("--json", "json_path", default=None, type=NonEmptyPath(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
-def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path):
+@kernel_trust_options
+def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path,
+         trust_keys, trust_unsigned_kernels):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
+    import titan.runtime.common.compiler_caches as compiler_caches
+    compiler_caches.ensure()  # regions may compile: the compilers' caches must be private first
+    trust = kernel_trust(trust_keys, trust_unsigned_kernels)
     launcher = "RANK" not in os.environ
     if launcher:  # the first line, before torch is imported (seconds)
         from titan.runtime.common import timings
@@ -45,7 +50,7 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
 
     cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
                     deterministic=deterministic, cuda_graphs=cuda_graphs,
-                    fused_adamw=fused_adamw)
+                    fused_adamw=fused_adamw, kernel_trust=trust)
     if not launcher:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from titan.runtime.contract.artifact import Artifact, ArtifactError, open_artifact
+from titan.runtime.kernels.artifact_trust import KernelTrust, kernels_trusted
 from titan.runtime.buffer_state import BufferState
 from titan.runtime.data import SyntheticTokens, TokenFile
 from titan.runtime.kernels.fusion import compile_program_regions
@@ -70,6 +71,8 @@ class RunConfig:
     """Continue from the latest complete checkpoint in checkpoint_dir."""
     resume_with_changes: bool = False
     """On resume, accept a seed, data file or learning rate other than the checkpoint's."""
+    kernel_trust: KernelTrust = KernelTrust()
+    """Whose compiled kernels in the artifact this run loads (--trust, --trust-unsigned-kernels)."""
 
 
 # AdamW hyperparameters as torchtitan sets them; the eager reference uses the same.
@@ -103,7 +106,8 @@ class GraphProgram:
 
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None,
-                 load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None):
+                 load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None,
+                 artifact_kernels: bool = False):
         record = artifact.rank_record(rank)
         # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
         self.forward, self.backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh))
@@ -111,7 +115,9 @@ class GraphProgram:
         check_device(estimate_from_graphs(record, self.forward, self.backward), device,
                      name=f"{artifact.root} rank {rank}")
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
-        self.fusion = compile_program_regions(self.forward, self.backward, device, artifact=artifact)
+        # The artifact's own kernels only when they are trusted (`artifact_kernels`: kernels_trusted).
+        self.fusion = compile_program_regions(self.forward, self.backward, device,
+                                              artifact_kernel=artifact.kernel if artifact_kernels else None)
         self.inputs = record.forward_inputs
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
         self.params = [load_param(p) for p in record.params]
@@ -196,6 +202,11 @@ def _say(env: RankEnv, cfg: RunConfig, log: StepLog | None, text: str) -> None:
 COMPILED_ON_ANY_DEVICE = ("fuse_regions", "fuse_blocks")
 
 
+def compiles_regions(manifest: Manifest, device: torch.device) -> bool:
+    """Whether a run of this artifact on `device` compiles (or loads) kernels for its regions."""
+    return any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in manifest.passes)
+
+
 def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
              on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Train this rank; `on_step(step)` (if given) runs after each step's bookkeeping."""
@@ -229,15 +240,19 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     m = artifact.manifest
     key = f"{m.cache_key}-{device.type}"
     run_key = f"{m.cache_key}-{cfg.device}"  # as cli/run.py's run_start_key names it
-    compiles = any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in m.passes)
+    compiles = compiles_regions(m, device)
+    trusted = False
     if compiles:
-        where = "the artifact, then the kernel store" if m.kernels else "the kernel store"
+        trusted, note = kernels_trusted(artifact, cfg.kernel_trust)
+        if note:
+            _say(env, cfg, None, note)
+        where = "the artifact, then the kernel store" if trusted else "the kernel store"
         _say(env, cfg, None, f"loading this artifact's kernels from {where}, compiling the ones it "
                              f"lacks{timings.expectation('fusion', key) or ' (the first run on a device compiles all)'}")
     t_load = time.perf_counter()
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                            load_param=run_state.load_param,
-                           load_buffer=run_state.load_buffer)
+                           load_buffer=run_state.load_buffer, artifact_kernels=trusted)
     if compiles and env.rank == 0:
         timings.record("fusion", key, time.perf_counter() - t_load)
     if program.fusion is not None:

@@ -29,7 +29,25 @@ def trace_context():
     start their traces at once."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["titan.builder.trace.preload"])
+    _short_socket_dir()
     return ctx
+
+
+def _short_socket_dir() -> None:
+    """multiprocessing puts the fork server's socket in its own temp directory, made in the temp
+    directory: the private one (runtime/common/compiler_caches.py) under a long TITAN_CACHE_DIR can
+    pass the 107 bytes a socket path may have. It makes that directory once per process with
+    mkdtemp (a random name, mode 0700, safe in a shared /tmp): make it in the system's."""
+    import multiprocessing.util
+    import tempfile
+
+    from titan.runtime.common.compiler_caches import system_tmp
+
+    saved, tempfile.tempdir = tempfile.tempdir, system_tmp()
+    try:
+        multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
 
 
 def trace_in_processes(spec: BuildSpec, tasks: list[tuple[int, tuple[int | None, ...]]], jobs: int,

@@ -15,6 +15,12 @@ import os
 # which forked children could then not use, and makes a build the same on any host.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# The fork server is an entry point of its own: the compilers' caches are the user's private
+# ones before torch is imported (runtime/common/compiler_caches.py; titan-build checked them already).
+from titan.runtime.common import compiler_caches  # noqa: E402
+
+compiler_caches.install()
+
 import titan.builder.trace.rank_trace  # noqa: E402, F401
 
 # Best effort: a torch without one of these only loses the head start.

@@ -12,10 +12,11 @@ from titan.cli.tools.eager import EagerProgram
 from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.runtime.contract.artifact import open_artifact
+from titan.runtime.kernels.artifact_trust import kernels_trusted
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.distributed import RankEnv, init_process_group, pick_device
-from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, step_function,
-                                 train_loop)
+from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, compiles_regions, make_data, make_optimizer,
+                                 step_function, train_loop)
 
 
 def eager_config(manifest: Manifest) -> tuple[ModelSpec, ModelConfig]:
@@ -51,7 +52,10 @@ def verify_rank(artifact_path: str, cfg: RunConfig,
                               make_data(m, cfg, layout.coordinates(env.rank)), **kw)
     eager_params = {fqn: p.detach().cpu() for fqn, p in eager.model.named_parameters()}
     del eager, eager_opt
-    program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed)
+    trusted, note = kernels_trusted(art, cfg.kernel_trust) if compiles_regions(m, device) else (False, "")
+    if note and env.rank == 0:
+        print(note, flush=True)
+    program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed, artifact_kernels=trusted)
     if program.fusion is not None and env.rank == 0:
         print(program.fusion.line(), flush=True)
     with step_function(program, cfg, device) as step:

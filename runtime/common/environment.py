@@ -1,5 +1,5 @@
 """Facts about this host that every command reads without importing torch: where titan's
-caches live and which torch is installed."""
+caches and key live and which torch is installed."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ from pathlib import Path
 def cache_root() -> Path:
     """The shared cache of builds and compiled kernels: $TITAN_CACHE_DIR, else ~/.cache/titan."""
     return Path(os.environ.get("TITAN_CACHE_DIR") or "~/.cache/titan").expanduser()
+
+
+KEY_FILE_ENV = "TITAN_KEY_FILE"
+
+
+def key_file() -> Path:
+    """This user's signing key file: $TITAN_KEY_FILE, else ~/.config/titan/cache.key."""
+    return Path(os.environ.get(KEY_FILE_ENV) or "~/.config/titan/cache.key").expanduser()
 
 
 def installed_torch_version() -> str:

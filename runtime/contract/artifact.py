@@ -51,6 +51,8 @@ def torch_release(version: str) -> str:
 class Artifact:
     root: Path
     manifest: Manifest
+    manifest_bytes: bytes = field(default=b"", compare=False, repr=False)
+    """The manifest as read (and parsed): what its signature signs (runtime/kernels/artifact_trust.py)."""
     _records: dict = field(default_factory=dict, compare=False, repr=False)
     """rank -> its record, read, hash-checked and bound once (a rank asks for it more than once)."""
 
@@ -76,8 +78,10 @@ class Artifact:
     def kernel(self, key: str) -> bytes | None:
         """The compiled region the artifact carries under `key` (titan-build --kernels), verified
         against the manifest; None if it carries none."""
+        from titan.runtime.store.kernel_store import MAX_KERNEL_BYTES
+
         rel = self.manifest.kernels.get(key)
-        return None if rel is None else self.read_verified(rel)
+        return None if rel is None else self.read_verified(rel, max_size=MAX_KERNEL_BYTES)
 
     def verify_all(self) -> None:
         for rel in self.manifest.files:
@@ -123,7 +127,8 @@ def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artif
     try:
         if not root.is_dir() or not os.path.lexists(mpath):
             raise ArtifactError(f"{root} is not a titan artifact (no {MANIFEST}); build one with titan-build")
-        manifest = loads_json(read_regular(root, MANIFEST, max_size=MAX_MANIFEST_BYTES, what=str(mpath)), str(mpath))
+        raw = read_regular(root, MANIFEST, max_size=MAX_MANIFEST_BYTES, what=str(mpath))
+        manifest = loads_json(raw, str(mpath))
     except UnsafeFile as e:
         raise ArtifactError(f"{e}; rebuild with titan-build") from None
     except OSError as e:  # e.g. a path component that cannot be searched
@@ -134,4 +139,4 @@ def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artif
         if built != here:
             raise ArtifactError(f"{root} was built with torch {built} but this is torch {here}; "
                                 f"rebuild it here with titan-build (graphs are not portable across torch versions)")
-    return Artifact(root=root, manifest=manifest)
+    return Artifact(root=root, manifest=manifest, manifest_bytes=raw)

@@ -8,10 +8,14 @@ fuse_exact pass) are compiled under the exact settings below, and only on GPUs: 
 their ops simply run on eager kernels, which is what they reproduce. The other kinds come from
 titan-build --fuse and change numerics in the last bits.
 
-Compiled regions are code, so they are reached only through digests: from the artifact (its
-`kernels` map, each file checked against the manifest's sha256; titan-build --kernels puts
-them there), else from the kernel store through a record authenticated with the user's key
-(runtime/store/kernel_store.py), else compiled here and stored. A kernel's key is what shapes its
+Compiled regions are code, so they come only from where the user trusts code to come from
+(docs/trust.md): the artifact's kernels when its manifest is signed by a key the user trusts, or
+the user opted in (runtime/kernels/artifact_trust.py decides; each file is checked against the
+manifest's sha256; titan-build --kernels puts them there), else the kernel store through a
+record authenticated with the user's key (runtime/store/kernel_store.py), else compiled here and
+stored. Nothing is unpickled: what is loaded is a kernel plan (data, checked), and a region
+that has none is compiled here at every run (inductor's own cache, private to the user,
+runtime/common/compiler_caches.py, makes that fast after the first time). A kernel's key is what shapes its
 code: the region's graph and input layouts, the compile settings, the GPU architecture (name
 and compute capability, never the device index) and the torch and triton versions. Generated
 CUDA code names the device it was compiled for, so kernels are compiled, stored and loaded on
@@ -21,28 +25,25 @@ nothing. Ranks of a host compile a key under its lock: one compiles, the others 
 
 On GPUs a compiled region is stored as a kernel plan where it can be (runtime/kernels/kernel_plan.py):
 its cubins and launches as data, run through torch's static CUDA launcher. A run whose regions
-all come as plans never imports inductor, which is most of a warm start's time otherwise.
+all come as plans never imports inductor, which is most of a warm start's time otherwise. Plans
+exist on GPUs only: on the CPU, --fuse regions are compiled at every run.
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import importlib.metadata
 import json
 import operator
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
+import titan.runtime.common.compiler_caches as compiler_caches
 from titan.runtime.store.kernel_store import KernelStore
 
 # Inductor settings under which a fused element-wise kernel rounds as eager's kernels do: each
@@ -91,9 +92,10 @@ def has_regions(gm: fx.GraphModule, device: torch.device) -> bool:
 
 
 class KernelSources:
-    """Where compiled regions come from, in order: the artifact (digests in its manifest), the
-    kernel store (authenticated records), compiling here. `recorded` collects every kernel key
-    used and its sha256 (titan-build --kernels writes them into the build's cache entry)."""
+    """Where compiled regions come from, in order: the artifact (`artifact_kernel`: given only
+    when its kernels are trusted, runtime/kernels/artifact_trust.py), the kernel store
+    (authenticated records), compiling here. `recorded` collects every kernel key used and its
+    sha256 (titan-build --kernels writes them into the build's cache entry)."""
 
     def __init__(self, *, device: torch.device, artifact_kernel: Callable[[str], bytes | None] | None = None,
                  store: KernelStore | None = None):
@@ -112,14 +114,13 @@ class KernelSources:
 
 
 def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule, device: torch.device, *,
-                            artifact=None, sources: KernelSources | None = None) -> FusionStats | None:
+                            artifact_kernel: Callable[[str], bytes | None] | None = None) -> FusionStats | None:
     """Compile the regions of both graphs in place (identical regions once); None when there
-    are none to compile here (then nothing of inductor is imported). Kernels the `artifact`
-    carries are used first."""
+    are none to compile here (then nothing of inductor is imported). `artifact_kernel` serves
+    the artifact's kernels, tried first: pass it only when they are trusted."""
     if not (has_regions(forward, device) or has_regions(backward, device)):
         return None
-    if sources is None:
-        sources = KernelSources(device=device, artifact_kernel=artifact.kernel if artifact is not None else None)
+    sources = KernelSources(device=device, artifact_kernel=artifact_kernel)
     stats, memo = FusionStats(), {}
     for gm in (forward, backward):
         compile_regions(gm, device=device, sources=sources, stats=stats, memo=memo)
@@ -136,6 +137,8 @@ class FusionStats:
     unstored: int = 0
     planned: int = 0
     """Regions compiled or loaded as kernel plans (launched without inductor)."""
+    ignored: int = 0
+    """Kernels the artifact carries that are not plans for this device (compiled here instead)."""
     seconds: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)
 
@@ -145,6 +148,7 @@ class FusionStats:
                 f"kernel store, {self.from_artifact} from the artifact, {self.reused} shared, in {self.seconds:.1f} s"
                 + (f" ({self.unstored} not stored)" if self.unstored else "")
                 + (f"; {self.planned} as kernel plans" if self.planned else "")
+                + (f"; {self.ignored} of the artifact's kernels are not plans for this device" if self.ignored else "")
                 + ("" if "torch._inductor" in sys.modules else "; inductor not loaded"))
 
 
@@ -162,45 +166,6 @@ def device_tag(device: torch.device) -> str:
 
 def kernel_key(sub: fx.GraphModule, layouts: list[dict], settings: dict, context: dict) -> str:
     return hashlib.sha256(json.dumps([sub.code, layouts, context, settings], sort_keys=True).encode()).hexdigest()[:32]
-
-
-_PRIVATE_DIR: Path | None = None
-
-
-def _private_dir() -> Path:
-    """A directory only this process uses, for handing verified kernel bytes to inductor (which
-    loads from a path) and for inductor's own cache: nothing another user wrote is loaded."""
-    global _PRIVATE_DIR
-    if _PRIVATE_DIR is None:
-        _PRIVATE_DIR = Path(tempfile.mkdtemp(prefix="titan-kernels-"))
-        atexit.register(shutil.rmtree, _PRIVATE_DIR, ignore_errors=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_PRIVATE_DIR / "inductor"))
-    return _PRIVATE_DIR
-
-
-def serialize_kernel(compiled) -> bytes | None:
-    """Inductor's compiled artifact as bytes, or None when inductor produced nothing it can save."""
-    path = Path(tempfile.mkdtemp(dir=_private_dir())) / "kernel.bin"
-    try:
-        compiled.save(path=str(path), format="binary")
-        return path.read_bytes()
-    except RuntimeError:
-        return None
-    finally:
-        shutil.rmtree(path.parent, ignore_errors=True)
-
-
-def deserialize_kernel(data: bytes):
-    """A compiled region from bytes whose digest the caller verified (inductor's format unpickles:
-    it must never see bytes that were not reached through a manifest or an authenticated record)."""
-    from torch._inductor import CompiledArtifact
-
-    path = Path(tempfile.mkdtemp(dir=_private_dir())) / "kernel.bin"
-    try:
-        path.write_bytes(data)
-        return CompiledArtifact.load(path=str(path), format="binary")
-    finally:
-        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def _versions() -> dict[str, str]:
@@ -276,11 +241,12 @@ def _region_call(compiled, name: str):
 
 def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device):
     """(the compiled region, its kernel plan's bytes or None: runtime/kernels/kernel_plan.py)."""
+    compiler_caches.ensure()  # inductor's caches are the user's private ones before it is imported
     from torch._inductor import standalone_compile
 
     import torch._inductor.config as inductor_config
 
-    from titan.runtime.kernels.kernel_plan import encode_plan
+    from titan.runtime.kernels.kernel_plan import BadPlan, decode_plan, encode_plan
     from titan.runtime.kernels.plan_recorder import record_plan, recording
 
     settings = exact_config() if kind == EXACT else {}
@@ -291,21 +257,28 @@ def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.
     with recording() as recorder, inductor_config.patch(settings):
         compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
         plan = record_plan(compiled, layouts, device, recorder) if recorder is not None and device.type == "cuda" else None
-    return compiled, (encode_plan(plan) if plan is not None else None)
+    data = encode_plan(plan) if plan is not None else None
+    if data is not None:
+        try:
+            decode_plan(data)  # a plan that a run would refuse is not kept: the region is compiled at each run
+        except BadPlan:
+            data = None
+    return compiled, data
 
 
-def _load(data: bytes, device: torch.device, stats: FusionStats):
-    """A compiled region from verified bytes: a kernel plan (no inductor), else inductor's artifact."""
+def _planned(data: bytes, device: torch.device, where: str):
+    """The region run from the kernel plan in `data` (verified bytes), or None where `data` is
+    no plan this device can run (then the region is compiled here). Nothing else is loaded:
+    inductor's own artifacts unpickle."""
     from titan.runtime.kernels.kernel_plan import PlannedRegion, decode_plan, is_plan
 
-    if is_plan(data):
-        stats.planned += 1
-        try:
-            return PlannedRegion(decode_plan(data), device)
-        except ValueError as e:
-            raise ValueError(f"a stored kernel plan is malformed ({e}); remove the kernel store (titan-cache) or "
-                             "rebuild the artifact's kernels with titan-build --kernels") from None
-    return deserialize_kernel(data)
+    if device.type != "cuda" or not is_plan(data):
+        return None
+    try:
+        return PlannedRegion(decode_plan(data), device)
+    except ValueError as e:
+        raise ValueError(f"a kernel plan from {where} is malformed ({e}); remove the kernel store's entry "
+                         "(titan-cache verify --remove) or rebuild the artifact's kernels with titan-build --kernels") from None
 
 
 def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device,
@@ -314,40 +287,44 @@ def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], kind: str, devic
     under the key's lock, the first rank compiles and the others then load)."""
     data = sources.artifact_kernel(key)
     if data is not None:
-        stats.from_artifact += 1
-        sources.recorded[key] = hashlib.sha256(data).hexdigest()
-        return _load(data, device, stats)
+        region = _planned(data, device, "the artifact")
+        if region is not None:
+            stats.from_artifact += 1
+            stats.planned += 1
+            sources.recorded[key] = hashlib.sha256(data).hexdigest()
+            return region
+        stats.ignored += 1
     if not sources.shareable:
         stats.compiled += 1
         stats.unstored += 1
         return _compile(sub, layouts, kind, device)[0]
     store = sources.store
     found = store.load(key)
-    if found is None:
+    region = None if found is None else _planned(found[0], device, "the kernel store")
+    if region is None:
         with store.lock(key) as lock:
             lock.acquire(blocking=True)
             found = store.load(key)  # compiled by another rank while this one waited
-            if found is None:
-                compiled, data = _compile(sub, layouts, kind, device)
+            region = None if found is None else _planned(found[0], device, "the kernel store")
+            if region is None:
+                compiled, plan = _compile(sub, layouts, kind, device)
                 stats.compiled += 1
-                if data is not None:
+                if plan is None:
+                    stats.unstored += 1  # compiled again by each run (no plan: nothing to store)
+                else:
                     stats.planned += 1
-                else:
-                    data = serialize_kernel(compiled)
-                if data is None:
-                    stats.unstored += 1  # compiled again by each run
-                else:
-                    sources.recorded[key] = store.save(key, data, device=device_tag(device))
+                    sources.recorded[key] = store.save(key, plan, device=device_tag(device))
                 return compiled
-    data, sha = found
     stats.loaded += 1
-    sources.recorded[key] = sha
-    return _load(data, device, stats)
+    stats.planned += 1
+    sources.recorded[key] = found[1]
+    return region
 
 
 def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: KernelSources,
                     stats: FusionStats, memo: dict) -> fx.GraphModule:
     """Replace every region of `gm` with a call of its compiled kernels."""
+    compiler_caches.ensure()  # before anything of inductor is imported (device_tag imports it on the CPU)
     t0 = time.perf_counter()
     context = {"device": device_tag(device), **_versions()}
     for run in _runs(gm):

@@ -126,6 +126,8 @@ class _Pointers:
         return index
 
     def argument(self, arg) -> tuple:
+        """(kind, index, byte offset, bytes reached): the launch may reach from its pointer to the
+        end of the storage it points into, and no further (what decode_plan checks)."""
         if arg is None or (isinstance(arg, int) and arg == 0):
             return ("null",)
         if not isinstance(arg, torch.Tensor):
@@ -133,9 +135,10 @@ class _Pointers:
         ptr = arg.data_ptr()
         i = self._input(ptr)
         if i is not None:
-            return ("in", i, ptr - self.inputs[i].data_ptr())
+            storage = self.inputs[i].untyped_storage()
+            return ("in", i, ptr - self.inputs[i].data_ptr(), storage.data_ptr() + storage.nbytes() - ptr)
         storage = arg.untyped_storage()
-        return ("buf", self._buffer(storage), ptr - storage.data_ptr())
+        return ("buf", self._buffer(storage), ptr - storage.data_ptr(), storage.data_ptr() + storage.nbytes() - ptr)
 
     def output(self, out) -> Output:
         if not isinstance(out, torch.Tensor):

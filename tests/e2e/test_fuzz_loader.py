@@ -1,7 +1,8 @@
 """Fuzzing the artifact loader: mutated graph blobs, graph documents, manifests and rank
-metadata (with hashes recomputed, as a crafted artifact would have them). Every case must end
-in a clear error (a ValueError subclass) or a well-formed load: no other exception, no hang
-over 5 s, and no code from the artifact executed.
+metadata (with hashes recomputed, as a crafted artifact would have them), and hostile kernel
+plans (runtime/kernels/kernel_plan.py). Every case must end in a clear error (a ValueError subclass) or
+a well-formed load: no other exception, no hang over 5 s, no code from the artifact executed,
+and (plans) no more than PLAN_PEAK_BYTES allocated while decoding one.
 
 TITAN_FUZZ_EXAMPLES sets the examples per strategy (CI runs a fast slice)."""
 
@@ -314,6 +315,145 @@ def test_oversize_files(single, tmp_path_factory, data):
     with open(root / rel, "r+b") as f:
         f.truncate(size)  # sparse: as large as claimed, costing no disk
     expect_clean("oversize file", _open_and_bind, root)
+
+
+# --- kernel plans ---------------------------------------------------------------------------------
+PLAN_PEAK_BYTES = 32 << 20
+"""Most a plan's decoding may allocate (its header is at most 256 KiB)."""
+PLAN_PEAKS: list[int] = []
+BIG = st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 65535, 65536, 2**40, 2**40 + 1, 2**62, 2**63 - 1, -(2**63)])
+PLAN_INT = st.one_of(st.integers(-(2**63), 2**63 - 1), BIG)
+
+
+def _decode_bounded(data: bytes) -> None:
+    """decode_plan under tracemalloc: what it allocates is recorded (asserted after the run)."""
+    import tracemalloc
+
+    from titan.runtime.kernels.kernel_plan import decode_plan
+
+    tracemalloc.start()
+    try:
+        decode_plan(data)
+    finally:
+        PLAN_PEAKS.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+def _seed_plan(data):
+    """A valid plan of a few kernels and launches, as the recorder writes them."""
+    from titan.runtime.kernels.kernel_plan import Kernel, Launch, Output, Plan
+
+    n_kernels = data.draw(st.integers(1, 3))
+    kernels = tuple(Kernel(name=f"triton_poi_fused_{i}", cubin=b"\x7fELF" + bytes(data.draw(st.integers(1, 64))),
+                           shared=0, num_warps=4, arg_types="OOi") for i in range(n_kernels))
+    launches = tuple(Launch(kernel=i, grid=(4, 1, 1), args=(("in", 0, 0, 4096), ("buf", 0, 0, 4096), 1024))
+                     for i in range(n_kernels))
+    return Plan(kernels=kernels, buffers=(4096,), inputs=1, launches=launches,
+                outputs=(Output(base=("buf", 0), dtype="float32", size=(32, 32), stride=(32, 1), offset=0),
+                         Output(base=("in", 0), dtype="float32", size=(1024,), stride=(1,), offset=0)))
+
+
+def _plan_parts(data_bytes: bytes) -> tuple[dict, bytes]:
+    from titan.runtime.kernels.kernel_plan import MAGIC
+
+    size = int.from_bytes(data_bytes[len(MAGIC):len(MAGIC) + 4], "big")
+    start = len(MAGIC) + 4
+    return msgpack.unpackb(data_bytes[start:start + size], raw=False), data_bytes[start + size:]
+
+
+def _plan_bytes(doc, cubins: bytes) -> bytes:
+    from titan.runtime.kernels.kernel_plan import MAGIC
+
+    header = msgpack.packb(doc, use_bin_type=True)
+    return MAGIC + len(header).to_bytes(4, "big") + header + cubins
+
+
+PLAN_FIELDS = {"launch": ["kernel", "grid", "args"], "kernel": ["name", "cubin_size", "shared", "num_warps", "arg_types"],
+               "output": ["base", "dtype", "size", "stride", "offset"]}
+
+
+@FUZZ
+@given(data=st.data())
+def test_hostile_kernel_plan_fields(data):
+    # A crafted plan: every field a launch's reach depends on pushed to hostile values.
+    from titan.runtime.kernels.kernel_plan import encode_plan
+
+    doc, cubins = _plan_parts(encode_plan(_seed_plan(data)))
+    how = data.draw(st.sampled_from(["grid", "pointer", "integer", "output", "buffers", "kernel", "counts", "junk"]))
+    launch = data.draw(st.sampled_from(doc["launches"]))
+    if how == "grid":
+        launch["grid"] = data.draw(st.lists(PLAN_INT, min_size=0, max_size=4))
+    elif how == "pointer":
+        launch["args"][data.draw(st.integers(0, 1))] = [data.draw(st.sampled_from(["in", "buf", "host", "null"])),
+                                                         data.draw(PLAN_INT), data.draw(PLAN_INT), data.draw(PLAN_INT)]
+    elif how == "integer":
+        launch["args"][2] = data.draw(st.one_of(PLAN_INT, JUNK))
+    elif how == "output":
+        out = data.draw(st.sampled_from(doc["outputs"]))
+        field = data.draw(st.sampled_from(PLAN_FIELDS["output"]))
+        out[field] = data.draw(st.one_of(PLAN_INT, st.lists(PLAN_INT, max_size=10), JUNK,
+                                         st.sampled_from([["in", 0], ["buf", 0], ["in", 2**40], "float64", "object"])))
+    elif how == "buffers":
+        doc["buffers"] = data.draw(st.lists(PLAN_INT, max_size=6))
+    elif how == "kernel":
+        kernel = data.draw(st.sampled_from(doc["kernels"]))
+        kernel[data.draw(st.sampled_from(PLAN_FIELDS["kernel"]))] = data.draw(st.one_of(
+            PLAN_INT, JUNK, st.sampled_from(["O" * 300, "OOx", "a; import os", "__import__", ""])))
+    elif how == "counts":  # more launches, kernels or outputs than a plan may have, or none
+        key = data.draw(st.sampled_from(["launches", "kernels", "outputs"]))
+        doc[key] = doc[key] * data.draw(st.sampled_from([0, 2, 600, 1100]))
+    else:
+        doc[data.draw(st.sampled_from(sorted(doc)))] = data.draw(JUNK)
+    expect_clean(f"kernel plan: hostile {how}", _decode_bounded, _plan_bytes(doc, cubins))
+
+
+@FUZZ
+@given(data=st.data())
+def test_kernel_plan_byte_level_mutations(data):
+    from titan.runtime.kernels.kernel_plan import encode_plan
+
+    blob = bytearray(encode_plan(_seed_plan(data)))
+    how = data.draw(st.sampled_from(["flip", "truncate", "insert", "length"]))
+    if how == "flip":
+        for pos in data.draw(st.lists(st.integers(0, len(blob) - 1), min_size=1, max_size=8)):
+            blob[pos] ^= data.draw(st.integers(1, 255))
+    elif how == "truncate":
+        blob = blob[:data.draw(st.integers(0, len(blob) - 1))]
+    elif how == "insert":
+        pos = data.draw(st.integers(0, len(blob)))
+        blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
+    else:  # the header length itself
+        from titan.runtime.kernels.kernel_plan import MAGIC
+        blob[len(MAGIC):len(MAGIC) + 4] = data.draw(st.integers(0, 2**32 - 1)).to_bytes(4, "big")
+    expect_clean(f"kernel plan bytes: {how}", _decode_bounded, bytes(blob))
+
+
+@FUZZ
+@given(data=st.data())
+def test_kernel_plan_expansion_bombs(data):
+    # Headers whose bytes would expand into many Python objects: empty containers, deep nesting,
+    # long strings and maps, up to and past the header bound.
+    from titan.runtime.kernels.kernel_plan import MAX_HEADER
+
+    size = data.draw(st.sampled_from([1 << 10, 1 << 16, MAX_HEADER - 16, MAX_HEADER, MAX_HEADER + 1, 1 << 24]))
+    kind = data.draw(st.sampled_from(["empty arrays", "empty maps", "nesting", "strings", "ints"]))
+    unit = {"empty arrays": b"\x90", "empty maps": b"\x80", "nesting": b"\x91", "strings": b"\xa1a",
+            "ints": b"\xcf" + b"\xff" * 8}[kind]
+    count = max(1, (size - 5) // len(unit))
+    header = b"\xdd" + count.to_bytes(4, "big") + unit * count if kind != "nesting" else unit * size
+    where = data.draw(st.sampled_from(["top", "launches"]))
+    if where == "launches":
+        header = msgpack.packb({"inputs": 1, "kernels": [], "buffers": [], "outputs": [], "launches": "X"})
+        header = header.replace(msgpack.packb("X"), b"\xdd" + count.to_bytes(4, "big") + unit * count)
+    from titan.runtime.kernels.kernel_plan import MAGIC
+    expect_clean(f"kernel plan bomb: {kind}", _decode_bounded, MAGIC + len(header).to_bytes(4, "big") + header)
+
+
+def test_plan_decoding_memory_stayed_bounded():
+    # Runs after the plan strategies (file order).
+    if PLAN_PEAKS:
+        print(f"fuzz kernel plans: {len(PLAN_PEAKS)} decoded, peak {max(PLAN_PEAKS) / 2**20:.1f} MiB allocated")
+        assert max(PLAN_PEAKS) <= PLAN_PEAK_BYTES
 
 
 def test_outcome_counts_are_reported():

@@ -162,16 +162,24 @@ def test_artifact_built_with_kernels_runs_on_an_empty_cache_without_compiling(tm
     import shutil
 
     env = dict(__import__("os").environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
-    art = tmp_path / "art"
-    r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--kernels", "--out", art, env=env)
+    art, key = tmp_path / "art", tmp_path / "team.key"
+    r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--kernels", "--sign", key, "--out", art, env=env)
     assert r.returncode == 0, r.stderr
     manifest = open_artifact(art).manifest
     assert manifest.kernels and all(rel in manifest.files for rel in manifest.kernels.values())
     copied = tmp_path / "copied"
     shutil.copytree(art, copied)
-    fresh = dict(env, TITAN_CACHE_DIR=str(tmp_path / "empty-cache"))
-    run = titan("run", copied, "--steps", 2, "--device", "cuda", env=fresh)
+    # Another user's machine (their own key and cache) that trusts the signer's key.
+    fresh = dict(env, TITAN_CACHE_DIR=str(tmp_path / "empty-cache"), TITAN_KEY_FILE=str(tmp_path / "other" / "k"))
+    run = titan("run", copied, "--steps", 2, "--device", "cuda", "--trust", key, env=fresh)
     assert run.returncode == 0, run.stderr
+    assert "are signed by a key you trust" in run.stdout, run.stdout
     line = _fusion_line(run.stdout)
     assert " 0 compiled" in line and " 0 loaded from the kernel store" in line, line
     assert "inductor not loaded" in line, line
+    # Without --trust the same copy's kernels are ignored in one line and compiled there.
+    untrusted = dict(fresh, TITAN_CACHE_DIR=str(tmp_path / "empty-cache-2"))
+    run = titan("run", copied, "--steps", 2, "--device", "cuda", env=untrusted)
+    assert run.returncode == 0, run.stderr
+    assert "which you did not --trust" in run.stdout, run.stdout
+    assert " 0 from the artifact" in _fusion_line(run.stdout)
