@@ -109,8 +109,13 @@ def launch(art, cfg, *, started: float) -> int:
         raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
     if cfg.device != "cpu":
         _check_gpus(art.world_size, cfg.device)
+    from titan.runtime import interrupt
     from titan.runtime.launch import spawn_local
     os.environ["TITAN_RUN_STARTED"] = repr(started)  # rank 0 records the start-up time from here
+    if cfg.checkpoint_dir is not None:
+        # Registered first, so it runs last on a signal: after the ranks are stopped.
+        from titan.runtime.checkpoint import remove_partial_saves
+        interrupt.on_interrupt(lambda: remove_partial_saves(cfg.checkpoint_dir))
     return spawn_local("titan.cli.run", command_args(), art.world_size)
 
 

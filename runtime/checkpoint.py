@@ -20,7 +20,8 @@ draws no random numbers, so the step is the whole data / RNG position.
 
 A step is written to `.step-N.partial` and renamed into place after every rank finished and
 titan.json was written (last): a complete step directory is never modified, and a crash
-leaves at most a partial directory that the next save of that step replaces.
+leaves at most a partial directory: the launcher removes it when a signal stops the job, and
+the next save removes any a killed job left.
 """
 
 from __future__ import annotations
@@ -159,6 +160,13 @@ def dcp_state(params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimi
     return state, boxes
 
 
+def remove_partial_saves(root: str | os.PathLike) -> None:
+    """Remove the partial step directories under `root`: of a save that was cut (one job
+    writes a checkpoint directory at a time, so none is being written when this runs)."""
+    for partial in Path(root).glob(".step-*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer,
          description: dict, buffers: dict[str, torch.Tensor] | None = None) -> Path:
     """Collective: every rank calls it. Returns the complete step directory."""
@@ -171,7 +179,7 @@ def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], t
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # a crashed save of this step: never a complete one
+        remove_partial_saves(root)  # a crashed or killed save's: never a complete one
         partial.mkdir()
     if dist.is_initialized():
         dist.barrier()
