@@ -297,9 +297,15 @@ def _stop_workers() -> None:
     line tells them apart (issue 33: a filter on one spared them all). Descendants are stopped
     until two looks find none (the pool's thread may be starting one right now, and a worker
     is a child before multiprocessing lists it: it would then find its start data missing and
-    print a traceback); a worker the server forks meanwhile dies with it (trace_preload.py)."""
-    from multiprocessing import resource_tracker
+    print a traceback); a worker the server forks meanwhile dies with it (trace_preload.py).
+    The fork server's lock is taken first and kept: the pool's thread, replacing a finished
+    worker, would otherwise start a new server once this one is gone."""
+    import threading
+    from multiprocessing import forkserver, resource_tracker
 
+    # The pool's thread fails as its processes go; this process ends anyway: no traceback.
+    threading.excepthook = lambda args: None
+    forkserver._forkserver._lock.acquire(timeout=interrupt.STOP_GRACE_S)
     tracker = resource_tracker._resource_tracker
     quiet = 0
     for _ in range(40):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -37,30 +36,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titan.runtime.checkpoint_dirs import STATE_FILE, complete_steps, remove_partial_saves, step_path  # noqa: F401
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
 from titan.runtime.shards import shard_box
 
-STATE_FILE = "titan.json"
 CHECKPOINT_FORMAT = "titan-checkpoint"
 CHECKPOINT_VERSION = 1
-_STEP_DIR = re.compile(r"step-(\d{8})")
-
-
-def step_path(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def complete_steps(root: str | os.PathLike) -> list[int]:
-    """Steps with a complete checkpoint under `root`, ascending."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        m = _STEP_DIR.fullmatch(child.name)
-        if m and (child / STATE_FILE).is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
 
 
 def resolve_checkpoint(path: str | os.PathLike, *, flag: str, step_dir_ok: bool) -> Path:
@@ -158,13 +139,6 @@ def dcp_state(params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimi
             state[key] = t[box.local_index()] if box.padded else t
             boxes[key] = (list(box.offsets), list(box.sizes), list(meta.global_shape))
     return state, boxes
-
-
-def remove_partial_saves(root: str | os.PathLike) -> None:
-    """Remove the partial step directories under `root`: of a save that was cut (one job
-    writes a checkpoint directory at a time, so none is being written when this runs)."""
-    for partial in Path(root).glob(".step-*.partial"):
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer,

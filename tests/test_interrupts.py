@@ -346,5 +346,67 @@ def test_each_stop_in_each_phase_of_a_run_leaves_nothing(how, debug_artifact, tm
         runs = _stop_in_phases(phases, how, tmp_path, then=save_again)
 
     def leaves(name: str) -> list[str]:
-        return [str(p) for p in tmp_path.glob(f"ckpt-{_slug(name)}/.*")]
+        from titan.runtime.checkpoint import complete_steps, step_path
+        left = [str(p) for p in tmp_path.glob(f"ckpt-{_slug(name)}/.*")]
+        steps = complete_steps(tmp_path / f"ckpt-{_slug(name)}")
+        hint = f"last checkpoint: {step_path(tmp_path / f'ckpt-{_slug(name)}', steps[-1])}" if steps else \
+            "no checkpoint was completed"
+        if how != "sigkill" and hint not in runs[name]["stdout"]:
+            left.append(f"no word of where to resume ({hint!r}): {runs[name]['stdout'][-500:]!r}")
+        return left
     _check_stopped(runs, how, leaves=leaves)
+
+
+def _on_a_terminal(argv: list[str], env: dict, ready: Callable[[bytes], bool]) -> tuple[int, bytes]:
+    """Run `argv` with a terminal as its stdin/stdout/stderr, Ctrl-C it (its group) once `ready`
+    holds for what it printed; its status and all it printed."""
+    import pty
+    import select
+
+    env = marked_env(dict(env, TERM="xterm"))
+    main_fd, side = pty.openpty()
+    p = subprocess.Popen(argv, env=env, stdin=side, stdout=side, stderr=side, start_new_session=True,
+                         preexec_fn=default_sigint)
+    os.close(side)
+    out, sent, deadline = b"", False, time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            if not sent and ready(out):
+                os.killpg(p.pid, signal.SIGINT)
+                sent = True
+            if select.select([main_fd], [], [], 0.05)[0]:
+                try:
+                    chunk = os.read(main_fd, 65536)
+                except OSError:  # every writer is gone
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        return p.wait(timeout=60), out
+    finally:
+        os.close(main_fd)
+        kill_all(p.pid, env)
+
+
+def test_interrupted_starts_a_line_of_its_own_after_a_status_line(debug_artifact, tmp_path):
+    """On a terminal, Ctrl-C while a build's or a run's status line is shown: `interrupted`
+    comes on a line of its own, not after the status line's text."""
+    art = debug_artifact(tp=2)
+    build = [sys.executable, "-m", "titan.cli.build", *BUILD, "--out", str(tmp_path / "art")]
+    run = [sys.executable, "-m", "titan.cli.run", str(art), "--steps", "100000"]
+    results = {}
+
+    def interrupt(name: str, argv: list[str], env: dict, shown: bytes) -> None:
+        results[name] = _on_a_terminal(argv, env, lambda out: shown in out.rsplit(b"\n", 1)[-1])
+
+    threads = [threading.Thread(target=interrupt, args=(
+                   "build", build, dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache")), b"tracing")),
+               threading.Thread(target=interrupt, args=("run", run, dict(os.environ), b"step"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, (code, out) in results.items():
+        assert code == 130, f"{name}: status {code}: {out[-2000:]!r}"
+        assert out.endswith(b"\r\ninterrupted\r\n"), f"{name}: {out[-500:]!r}"
+        assert b"\r" in out.rsplit(b"\r\ninterrupted", 1)[0].rsplit(b"\n", 1)[-1], f"{name}: no status line: {out[-500:]!r}"
