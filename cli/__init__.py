@@ -6,14 +6,17 @@ any instant of any command, imports included, ends it with one `interrupted` lin
 (runtime/common/interrupt.py says how). It is also where the compilers' caches are pointed into
 the user's private directory, before anything can read them (runtime/common/compiler_caches.py).
 A titan-run rank or a build worker (RANK set, or a multiprocessing child) ends quietly: its
-launcher reports.
+launcher reports, and it dies with its launcher even when that is killed
+(runtime/common/parent_death.py).
 """
 
 import os as _os
 
 from titan.runtime.common import compiler_caches as _compiler_caches
 from titan.runtime.common import interrupt as _interrupt
+from titan.runtime.common import parent_death as _parent_death
 
+_parent_death.from_environment()
 _interrupt.install(quiet="RANK" in _os.environ)
 # Before torch is imported: the caches of the compilers titan drives are private to the user
 # (runtime/common/compiler_caches.py says why; the commands that compile report a problem in one line).

@@ -18,6 +18,7 @@ import click
 
 from titan.cli.errors import Command
 from titan.cli.options import kernel_trust, kernel_trust_options, LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, NonEmptyPath, command_args
+from titan.runtime.common import interrupt
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
@@ -67,6 +68,9 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
     if resume_with_changes and not resume:
         raise ValueError("--resume-with-changes only applies with --resume")
     launcher = "RANK" not in os.environ  # else one rank: spawned by the launcher below, or by torchrun
+    if launcher and checkpoint_dir is not None:
+        # Registered before the ranks' stop (spawn_local), so it runs after it on a signal.
+        interrupt.on_interrupt(lambda: _where_to_resume(checkpoint_dir))
     if launcher:
         t0 = time.time()
         art = _announce(artifact, device)  # the first line, before torch is imported (seconds)
@@ -118,6 +122,20 @@ def launch(art, cfg, *, started: float) -> int:
     from titan.runtime.launch import spawn_local
     os.environ["TITAN_RUN_STARTED"] = repr(started)  # rank 0 records the start-up time from here
     return spawn_local("titan.cli.run", command_args(), art.world_size)
+
+
+def _where_to_resume(checkpoint_dir: str) -> None:
+    """On a signal, once the ranks are stopped: remove a cut save, and say where the last
+    checkpoint is and how to continue from it."""
+    from titan.runtime.checkpoint_dirs import complete_steps, remove_partial_saves, step_path
+
+    remove_partial_saves(checkpoint_dir)
+    steps = complete_steps(checkpoint_dir)
+    if steps:
+        print(f"last checkpoint: {step_path(checkpoint_dir, steps[-1])} (step {steps[-1]}); the same command with "
+              "--resume continues from it", flush=True)
+    else:
+        print(f"no checkpoint was completed in {checkpoint_dir}: a new run starts from step 0", flush=True)
 
 
 def _check_gpus(world_size: int, device: str) -> None:

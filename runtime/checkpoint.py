@@ -20,14 +20,14 @@ draws no random numbers, so the step is the whole data / RNG position.
 
 A step is written to `.step-N.partial` and renamed into place after every rank finished and
 titan.json was written (last): a complete step directory is never modified, and a crash
-leaves at most a partial directory that the next save of that step replaces.
+leaves at most a partial directory: the launcher removes it when a signal stops the job, and
+the next save removes any a killed job left.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -37,31 +37,15 @@ import torch
 import torch.distributed as dist
 
 from titan.runtime.contract.graph_doc import MAX_ELEMENTS
+from titan.runtime.checkpoint_dirs import STATE_FILE, complete_steps, remove_partial_saves, step_path  # noqa: F401
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
 from titan.runtime.contract.shards import shard_box
 
-STATE_FILE = "titan.json"
 CHECKPOINT_FORMAT = "titan-checkpoint"
 CHECKPOINT_VERSION = 1
+
 MAX_STEP = 1 << 53
-_STEP_DIR = re.compile(r"step-(\d{8})")
-
-
-def step_path(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def complete_steps(root: str | os.PathLike) -> list[int]:
-    """Steps with a complete checkpoint under `root`, ascending."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        m = _STEP_DIR.fullmatch(child.name)
-        if m and (child / STATE_FILE).is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+"""The largest step counter a checkpoint may hold (an exact float64 integer)."""
 
 
 def resolve_checkpoint(path: str | os.PathLike, *, flag: str, step_dir_ok: bool) -> Path:
@@ -211,7 +195,7 @@ def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], t
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # a crashed save of this step: never a complete one
+        remove_partial_saves(root)  # a crashed or killed save's: never a complete one
         partial.mkdir()
     if dist.is_initialized():
         dist.barrier()

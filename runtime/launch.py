@@ -7,7 +7,8 @@ first failure's cause: a rank killed by a signal is named with it (`error: rank 
 SIGKILL`), and that comes before the peers that then lost it.
 
 The ranks start with SIGINT blocked (runtime/common/interrupt.py): a Ctrl-C reaches only this launcher,
-which stops them and prints the one `interrupted` line.
+which stops them (and anything they started) and prints the one `interrupted` line. A launcher
+killed outright takes its ranks with it (runtime/common/parent_death.py).
 
 The launcher hosts the rendezvous store itself (as torchrun's agent does), on a port the OS
 gives it and that it holds for the whole job: picking a free port and letting rank 0 bind it
@@ -23,7 +24,8 @@ import subprocess
 import sys
 import time
 
-from titan.runtime.common import interrupt
+import titan.runtime.common.interrupt as interrupt
+import titan.runtime.common.parent_death as parent_death
 
 PID_KEY = "titan/pid/{rank}"
 
@@ -49,12 +51,13 @@ def spawn_local(module: str, args: list[str], world_size: int) -> int:
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     gpus = _rank_gpus(world_size)
     procs: list[subprocess.Popen] = []
-    # Every child, not just those in `procs`: a signal can come between a rank's start and its append.
-    forget = interrupt.on_interrupt(lambda: interrupt.stop_processes(interrupt.child_pids()))
+    # Every descendant, not just those in `procs`: a signal can come between a rank's start and its
+    # append, and a rank may have started processes of its own.
+    forget = interrupt.on_interrupt(lambda: interrupt.stop_processes(interrupt.descendant_pids()))
     try:
         with interrupt.children_ignore_ctrl_c():
             for rank in range(world_size):
-                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                env = dict(parent_death.child_env(os.environ), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
                            TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1")
                 if gpus is not None:

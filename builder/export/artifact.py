@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 
 from titan.runtime.store.build_cache import Cache
-from titan.runtime.common import interrupt
+import titan.runtime.common.interrupt as interrupt
+from titan.runtime.common.abandoned_temps import owner_tag, remove_abandoned
 from titan.runtime.contract.artifact import ArtifactError
 from titan.runtime.contract.manifest import MANIFEST, Manifest
 
@@ -23,7 +24,8 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> Manifest:
         raise ArtifactError(f"{out} exists and is not a titan artifact; choose another --out")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        remove_abandoned(out.parent, f".{out.name}.")  # a killed export's (runtime/common/abandoned_temps.py)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{owner_tag()}.", dir=out.parent))
     except OSError as e:
         raise ArtifactError(f"cannot write the artifact to {out.parent}: {e.strerror or e}; choose another --out") from None
     forget = interrupt.on_interrupt(lambda: shutil.rmtree(tmp, ignore_errors=True))
@@ -50,7 +52,7 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> Manifest:
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1))
         with interrupt.deferred():  # the old artifact or the new one at `out`, never neither
             if out.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.{owner_tag()}.", dir=out.parent))
                 os.replace(out, old / "previous")
                 os.replace(tmp, out)
                 shutil.rmtree(old)

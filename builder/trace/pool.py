@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable
 
-from titan.runtime.common import interrupt
+from titan.runtime.common import interrupt, parent_death
 
 if TYPE_CHECKING:
     from titan.builder.spec.build_spec import BuildSpec
@@ -72,9 +72,9 @@ def trace_in_processes(spec: BuildSpec, tasks: list[tuple[int, tuple[int | None,
     # calling thread when it is done: so it comes before the block below, not inside it.
     stages = ctx.Queue()
     with interrupt.children_ignore_ctrl_c():  # the pool's threads, the fork server and every worker inherit it
+        _start_fork_server()
         pool = cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(tasks))), mp_context=ctx,
-                                      max_tasks_per_child=1, initializer=start_trace_process,
-                                      initargs=(stages, os.getpid()))
+                                      max_tasks_per_child=1, initializer=start_trace_process, initargs=(stages,))
         pending = {pool.submit(trace_job, RankJob(build=spec, rank=r, depths=d)) for r, d in tasks}
     with pool:
         while pending:
@@ -88,6 +88,19 @@ def trace_in_processes(spec: BuildSpec, tasks: list[tuple[int, tuple[int | None,
                 yield from fut.result()
     stop_fork_server()
     forget()
+
+
+def _start_fork_server() -> None:
+    """Start the fork server from this (the main) thread, told to die with this process
+    (builder/trace/preload.py): the pool would start it from whichever thread first needs it, and
+    the kernel's parent-death signal follows the death of that thread."""
+    from multiprocessing import forkserver
+
+    os.environ[parent_death.PARENT_PID_ENV] = str(os.getpid())
+    try:
+        forkserver.ensure_running()
+    finally:
+        del os.environ[parent_death.PARENT_PID_ENV]
 
 
 def stop_fork_server() -> None:
@@ -118,20 +131,53 @@ def trace_tasks(todo: dict[int, tuple[int | None, ...]], jobs: int) -> list[tupl
 
 
 def stop_workers() -> None:
-    """Stop every descendant but multiprocessing's resource tracker (it outlives this process to
-    unlink the pool's semaphores): the fork server and the trace processes it forked, until two
-    looks find none (the pool's thread may be starting one right now, and a worker is a child
-    before multiprocessing lists it: it would then find its start data missing and print a
-    traceback)."""
+    """On a signal: stop every descendant, then let multiprocessing's resource tracker unlink
+    the pool's semaphores and end, so that nothing outlives this process.
+
+    The tracker is told apart by its pid: every process multiprocessing starts has the same
+    interpreter flags (the fork server's, which the processes it forks keep), so no command
+    line tells them apart (issue 33: a filter on one spared them all). Descendants are stopped
+    until two looks find none (the pool's thread may be starting one right now, and a worker
+    is a child before multiprocessing lists it: it would then find its start data missing and
+    print a traceback); a worker the server forks meanwhile dies with it (preload.py).
+    The fork server's lock is taken first and kept: the pool's thread, replacing a finished
+    worker, would otherwise start a new server once this one is gone."""
+    import threading
+    from multiprocessing import forkserver, resource_tracker
+
+    # The pool's thread fails as its processes go; this process ends anyway: no traceback.
+    threading.excepthook = lambda args: None
+    forkserver._forkserver._lock.acquire(timeout=interrupt.STOP_GRACE_S)
+    tracker = resource_tracker._resource_tracker
     quiet = 0
     for _ in range(40):
-        workers = [pid for pid in interrupt.descendant_pids()
-                   if b"resource_tracker" not in interrupt.command_line(pid)]
+        workers = [pid for pid in interrupt.descendant_pids() if pid != tracker._pid]
         if workers:
             interrupt.stop_processes(workers)
             quiet = 0
         else:
             quiet += 1
             if quiet == 2:
-                return
+                break
             time.sleep(0.05)
+    _end_resource_tracker(tracker)
+
+
+def _end_resource_tracker(tracker) -> None:
+    """Close this process's end of the tracker's pipe (the workers' ends are closed: they are
+    gone), so that it unlinks what the pool left registered and exits; wait for that. Its lock
+    is not taken: the signal may have cut the thread that holds it."""
+    fd, pid = tracker._fd, tracker._pid
+    if fd is None or pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    tracker._fd = tracker._pid = None
+    deadline = time.monotonic() + interrupt.STOP_GRACE_S
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)

@@ -10,6 +10,15 @@ from __future__ import annotations
 import importlib
 import os
 
+import titan.runtime.common.parent_death as parent_death
+
+# First, before the seconds of imports below: this server dies with titan-build (it started it
+# with its pid in the environment), and each trace process it forks dies with this server. A
+# killed build then leaves nothing: a worker, blocked for ever on a pipe whose reader is gone,
+# would otherwise keep the server alive too (each worker holds the server's "alive" pipe).
+parent_death.from_environment()
+parent_death.forked_children_die_with_parent()
+
 # Traces run on fake tensors and never need a GPU; hiding the host's GPUs here (and so from
 # every trace process forked from here) keeps an import from initializing CUDA in this process,
 # which forked children could then not use, and makes a build the same on any host.

@@ -4,11 +4,7 @@ without importing it."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import os
-import signal
-import sys
 from dataclasses import dataclass, field
 
 from titan.builder.trace import rank_progress
@@ -49,24 +45,7 @@ def trace_job(job: RankJob) -> list[RankResult]:
     return trace_rank(job)
 
 
-def start_trace_process(stages, build_pid: int) -> None:
-    """Pool initializer of a trace process: report its stages into `stages`, and die with the
-    fork server that forked it, so that a Ctrl-C which stops the server while it forks leaves
-    no orphan behind (an orphan is nobody's descendant: the build could not find it)."""
-    _die_with_parent(build_pid)
+def start_trace_process(stages) -> None:
+    """Pool initializer of a trace process: report its stages into `stages`. (It already dies
+    with the fork server that forked it: builder/trace/preload.py.)"""
     rank_progress.attach(stages)
-
-
-def _die_with_parent(build_pid: int) -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    # The server may have died before that call: this process is then no longer its child.
-    try:
-        with open(f"/proc/{os.getppid()}/stat") as f:
-            grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        grandparent = -1
-    if grandparent != build_pid:
-        os._exit(1)

@@ -127,12 +127,6 @@ def _live_parents() -> dict[int, int]:
     return parents
 
 
-def child_pids() -> list[int]:
-    """This process's live children."""
-    me = os.getpid()
-    return [pid for pid, parent in _live_parents().items() if parent == me]
-
-
 def descendant_pids() -> list[int]:
     """This process's live descendants, deepest first (a child's children stop before it, so
     none is left to another parent)."""
@@ -142,14 +136,6 @@ def descendant_pids() -> list[int]:
         frontier = [pid for pid, parent in parents.items() if parent in frontier]
         found = frontier + found
     return found
-
-
-def command_line(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _reaped(pid: int) -> bool:

@@ -13,6 +13,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from titan.runtime.common.abandoned_temps import owner_tag, remove_abandoned
 from titan.runtime.common.environment import cache_root
 
 
@@ -33,7 +34,8 @@ def record(phase: str, key: str, seconds: float) -> None:
     path = _path(phase, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        remove_abandoned(path.parent, ".tmp.")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp.{owner_tag()}.")
         with os.fdopen(fd, "w") as f:
             json.dump({"seconds": round(seconds, 3)}, f)
         os.replace(tmp, path)

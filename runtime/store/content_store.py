@@ -42,6 +42,7 @@ from titan.runtime.common.safe_files import UnsafeFile, open_dir_below, read_reg
 from titan.runtime.store.record import (MAX_RECORD_BYTES, decode_record, encode_record, owned_name,
                                         read_unauthenticated, split_owned_name)
 from titan.runtime.store.lock import StoreLock, unlink_planted
+from titan.runtime.common.abandoned_temps import is_abandoned, owner_tag
 
 SHARED_ENV = "TITAN_SHARED_CACHE"
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -119,6 +120,7 @@ class ContentStore:
         self._mode = 0o2775 if self.shared else 0o755
         self._fds: dict[str, int] = {}
         self._root_fd = -1
+        self._swept = False
         try:
             if titan_made_root:  # a directory titan makes inside another store: never a link
                 self._mkdir_path(self.root.parent)
@@ -229,7 +231,9 @@ class ContentStore:
         """Write `data` to a new file in tmp/ and rename it to `name` in `dir_fd`: readers see the
         old file or the whole new one, and a link planted at `name` is replaced, not followed."""
         tmp_fd = self._fds["tmp"]
-        tmp = f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        if not self._swept:  # once per store opened: what killed writers left (abandoned_temps.py)
+            self._remove_abandoned_tmp()
+        tmp = f"{name}.{owner_tag()}.{secrets.token_hex(4)}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC,
                          (0o664 if self.shared else 0o644) if mode is None else mode, dir_fd=tmp_fd)
@@ -484,6 +488,16 @@ class ContentStore:
 
     def lock(self, name: str) -> StoreLock:
         return StoreLock(self._fds["locks"], f"{owned_name(name, self.uid)}.lock")
+
+    def _remove_abandoned_tmp(self) -> None:
+        self._swept = True
+        with os.scandir(self._fds["tmp"]) as it:
+            for e in it:
+                if is_abandoned(e.name):
+                    try:
+                        unlink_planted(self._fds["tmp"], e.name)
+                    except OSError:
+                        pass
 
     def sweep_tmp(self, *, now: float, grace_s: float) -> None:
         """Remove temp files left by killed writers (older than grace_s)."""
