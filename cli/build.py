@@ -13,9 +13,21 @@ from titan.cli.errors import Command
 from titan.cli.options import POSITIVE, NonEmptyPath
 
 
+def _flavor_help() -> str:
+    from titan.builder.models.deepseek_v3.config import FLAVORS as DEEPSEEK_V3
+    from titan.builder.models.llama3.config import FLAVORS as LLAMA3
+
+    def names(flavors) -> str:
+        return ", ".join(f"{n} (default)" if n == flavors.default else n for n in flavors)
+    return f"Model size: llama3: {names(LLAMA3)}; deepseek_v3: {names(DEEPSEEK_V3)}."
+
+
+FLAVOR_HELP = _flavor_help()
+
+
 @click.command(cls=Command)
 @click.option("--model", default="llama3", show_default=True, help="Model family: llama3 or deepseek_v3.")
-@click.option("--flavor", default=None, help="Model size: debug, 1B, 8B (default), 70B, 405B.")
+@click.option("--flavor", default=None, help=FLAVOR_HELP)
 @click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (with sequence parallel).")
 @click.option("--dp-shard", default=1, show_default=True, type=POSITIVE, help="FSDP degree.")
 @click.option("--dp-replicate", default=1, show_default=True, type=POSITIVE, help="Replicated data-parallel degree.")
@@ -48,8 +60,19 @@ from titan.cli.options import POSITIVE, NonEmptyPath
 @click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
 @click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
               "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
+@click.option("--n-layers", default=None, type=POSITIVE, help="Transformer blocks (default: the flavor's).")
+@click.option("--dim", default=None, type=POSITIVE, help="Model width (default: the flavor's).")
+@click.option("--n-heads", default=None, type=POSITIVE, help="Attention (query) heads (default: the flavor's).")
+@click.option("--n-kv-heads", default=None, type=POSITIVE, help="Key/value heads, llama3 (default: the flavor's).")
+@click.option("--vocab-size", default=None, type=POSITIVE,
+              help="Vocabulary: embedding rows and logits, e.g. your tokenizer's (default: the flavor's).")
+@click.option("--ffn-dim", default=None, type=POSITIVE, help="Feed-forward hidden width, llama3 (default: derived "
+              "from the width as Llama 3 does).")
+@click.option("--shape", "shape_args", multiple=True, metavar="FIELD=VALUE",
+              help="Set any field of the family's config on top of the flavor (repeatable), e.g. "
+                   "--shape moe_hidden=64 for deepseek_v3; an unknown FIELD lists them.")
 def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
-         replace, jobs, cache_dir, explain, kernels):
+         replace, jobs, cache_dir, explain, kernels, n_layers, dim, n_heads, n_kv_heads, vocab_size, ffn_dim, shape_args):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     if list_passes:
         from titan.builder.passes import PASSES, default_passes
@@ -63,19 +86,30 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     from titan.builder.build import build, check_replaceable, make_spec, nearest_entry
     from titan.builder.cache import Cache
     from titan.builder.cache_key import build_factors, digest
+    from titan.builder.models.shape import parse_shape_args
     from titan.runtime import timings
     from titan.cli.build_progress import BuildProgress
 
+    shape = parse_shape_args(shape_args)
+    shape.update({k: v for k, v in dict(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                        vocab_size=vocab_size, ffn_dim=ffn_dim).items() if v is not None})
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
                      batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac, fuse=fuse,
-                     passes=None if passes is None else tuple(p for p in passes.split(",") if p))
+                     passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape)
     out = out or Path("artifacts") / spec.name
     if not replace:
         check_replaceable(spec, out)
     jobs = jobs or os.cpu_count() or 1
     world = spec.layout.world_size
     key = digest(build_factors(spec))
-    click.echo(f"building {out}: {model} {spec.flavor}, {world} rank(s) [{spec.layout.tag()}], batch "
+    if flavor is None:
+        from titan.builder.host_fit import default_flavor_warning
+        warning = default_flavor_warning(spec)
+        if warning:
+            click.echo(f"warning: {warning}")
+    custom = "".join(f", {name} {value:g}" if isinstance(value, float) else f", {name} {value}"
+                     for name, value in spec.shape)
+    click.echo(f"building {out}: {model} {spec.flavor}{custom}, {world} rank(s) [{spec.layout.tag()}], batch "
                f"{spec.batch_size} x seq {spec.seq_len}, {spec.dtype}{timings.expectation('build', key)}")
     t0 = time.perf_counter()
     from titan.builder.program import probe_ranks

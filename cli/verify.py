@@ -50,6 +50,8 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))
     art.verify_all()
+    from titan.cli.tools.verify import eager_config
+    eager_config(art.manifest)  # the eager model can be built (a mistake is one line, not one per rank)
     from titan.runtime.run_state import RunState
     RunState(cfg, art.manifest, art.rank_record(0).params).close()  # the run's checks (--data), once
     from titan.runtime.launch import spawn_local
