@@ -62,7 +62,7 @@ def gpu_memory() -> list[int] | None:
         return None
 
 
-def check_fits(records: list[RankRecord], *, gpu: bool, rebuild_hint: str) -> str | None:
+def check_fits(records: list[RankRecord], *, gpu: bool) -> str | None:
     """Raise ValueError when the ranks' lower bound exceeds this host's memory (all ranks on
     the host's memory on CPU; each rank on its own GPU on GPU); return a warning when it only
     exceeds what is free now (CPU), else None."""
@@ -71,7 +71,8 @@ def check_fits(records: list[RankRecord], *, gpu: bool, rebuild_hint: str) -> st
         gpus = gpu_memory()
         if gpus and max(need) > min(gpus):
             raise ValueError(f"each rank needs at least {max(need) / GiB:.1f} GiB (parameters, gradients, AdamW state "
-                             f"and saved activations) but a GPU here has {min(gpus) / GiB:.1f} GiB; {rebuild_hint}")
+                             f"and saved activations) but a GPU here has {min(gpus) / GiB:.1f} GiB; rebuild the artifact with more "
+                             "--tp or --dp-shard ranks, a smaller batch, or --ac full")
         return None
     memory = host_memory()
     if memory is None:
@@ -79,7 +80,8 @@ def check_fits(records: list[RankRecord], *, gpu: bool, rebuild_hint: str) -> st
     total, available = memory
     if sum(need) > total:
         raise ValueError(f"the {len(need)} rank(s) need at least {sum(need) / GiB:.1f} GiB (parameters, gradients, "
-                         f"AdamW state and saved activations) but this host has {total / GiB:.1f} GiB; {rebuild_hint}")
+                         f"AdamW state and saved activations) but this host has {total / GiB:.1f} GiB, which its ranks share; "
+                         "build a smaller model (e.g. --flavor debug) or batch, or run it on GPUs")
     if sum(need) > available:
         return (f"the {len(need)} rank(s) need at least {sum(need) / GiB:.1f} GiB and {available / GiB:.1f} GiB is free "
                 "now: the run may swap or be killed")
