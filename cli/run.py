@@ -41,7 +41,8 @@ if TYPE_CHECKING:
               help="Write one JSON object per step to this new file (--resume rewrites it from the checkpoint's step).")
 @click.option("--tensorboard", default=None, type=NonEmptyPath(file_okay=False),
               help="Write TensorBoard scalars (loss, tokens/s, step time, GPU peak memory) into this directory.")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+              help="Where the ranks run: cpu (gloo), cuda (one GPU per rank, nccl) or auto (cuda when the host has a GPU per rank).")
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
 @click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=TIMEOUT,
               help="Seconds a rank waits in a collective (or for its peers) before the job fails.")

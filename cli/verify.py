@@ -16,13 +16,16 @@ from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, NonEmptyPath, comma
 
 @click.command(cls=Command)
 @click.argument("artifact", type=NonEmptyPath(file_okay=False))
-@click.option("--steps", default=10, show_default=True, type=POSITIVE)
-@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE)
-@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--steps", default=10, show_default=True, type=POSITIVE,
+              help="Optimizer steps to train each way (eagerly, then from the artifact) and compare.")
+@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE, help="AdamW learning rate (> 0), both ways.")
+@click.option("--seed", default=0, show_default=True, type=SEED,
+              help="Seed for the initial weights and synthetic data, both ways.")
 @click.option("--data", default=None, type=NonEmptyPath(dir_okay=False), help="Flat token file (default: synthetic tokens).")
 @click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
               help="Token file element type (default: from its titan-data sidecar, else uint16).")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+              help="Where the ranks run: cpu (gloo), cuda (one GPU per rank, nccl) or auto (cuda when the host has a GPU per rank).")
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")

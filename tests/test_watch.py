@@ -143,6 +143,8 @@ def test_report_plots_and_summarizes_a_run(watched_run, tmp_path):
         f"step time    median {statistics.median(m['step_time_s'] for m in records):.4f} s",
         f"wrote {tmp_path / 'report.png'}"]
     assert _png_size(tmp_path / "report.png") == (800, 500)  # loss and tokens/s panels
+    plain = titan("report", root / "m.jsonl")  # no flags: the summary alone
+    assert plain.returncode == 0 and plain.stdout.splitlines() == r.stdout.splitlines()[:-1], plain.stderr
 
     # A GPU run's file also records peak memory: a third panel and a summary line.
     gpu = tmp_path / "gpu.jsonl"
