@@ -67,7 +67,9 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
     launcher = "RANK" not in os.environ  # else one rank: spawned by the launcher below, or by torchrun
     if launcher:
         t0 = job_started()
-        art = _announce(artifact, device, data=data, checkpoint_dir=checkpoint_dir, resume=resume,
+        options = dict(steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+                       init_from_hf=init_from_hf)
+        art = _announce(artifact, device, options=options, data=data, checkpoint_dir=checkpoint_dir, resume=resume,
                         init_from_hf=init_from_hf, metrics=metrics, tensorboard=tensorboard)
         phases = Phases(click.echo)
         checking = phases("checking the artifact's files and the run's options (importing torch first)")
@@ -92,14 +94,15 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
     sys.exit(launch(art, cfg, started=t0))
 
 
-def _announce(artifact: str, device: str, **paths):
+def _announce(artifact: str, device: str, *, options: dict, **paths):
     """Open the artifact, make the checks that need no torch (the files the options name, the
     memory the ranks need), and say what the run is (and how long its start took last time)."""
     from titan.runtime import timings
     from titan.runtime.artifact import open_artifact
-    from titan.runtime.run_paths import check_run_paths
+    from titan.runtime.run_paths import check_option_combinations, check_run_paths
 
     art = open_artifact(artifact)
+    check_option_combinations(**options)
     check_run_paths(**paths)
     warning = check_memory(art, device)
     m = art.manifest

@@ -1,4 +1,5 @@
-"""The files and directories a run names, checked before anything slow happens: titan-run and
+"""The files and directories a run names, and the option combinations that need no file, checked
+before anything slow happens: titan-run and
 titan-verify check them before they import torch or start a rank, so that a typo is one line
 at once (issue 33: it took 5-11 s, after a line saying the ranks were starting). Each rank
 checks them again (a torchrun job has no launcher to do it).
@@ -70,3 +71,18 @@ def check_run_paths(*, data: str | None = None, checkpoint_dir: str | None = Non
         _writable_place("--metrics", metrics, directory=False)
     if tensorboard is not None:
         _writable_place("--tensorboard", tensorboard, directory=True)
+
+
+def check_option_combinations(*, steps: int, checkpoint_dir: str | None, checkpoint_every: int | None,
+                              resume: bool, init_from_hf: str | None) -> None:
+    """Raise ValueError, with the fix, for options that contradict each other."""
+    if steps == 0 and checkpoint_dir is None:
+        raise ValueError("--steps 0 trains nothing; pass --steps N, or add --checkpoint-dir DIR to checkpoint "
+                         "the initial weights")
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir DIR (where to write the checkpoints)")
+    if resume and init_from_hf is not None:
+        raise ValueError("--resume continues from a titan checkpoint, which holds the weights --init-from-hf "
+                         "started from: pass only one of them (drop --init-from-hf to resume)")
+    if resume and checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir DIR (the directory the earlier run wrote to)")

@@ -20,7 +20,7 @@ from titan.runtime.data import check_token_file, describe_token_file
 from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.init import materialize
-from titan.runtime.run_paths import check_run_paths
+from titan.runtime.run_paths import check_option_combinations, check_run_paths
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
@@ -66,6 +66,9 @@ class RunState:
 
     def _check(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...],
                buffers: tuple[BufferSpec, ...]) -> None:
+        check_option_combinations(steps=cfg.steps, checkpoint_dir=cfg.checkpoint_dir,
+                                  checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
+                                  init_from_hf=cfg.init_from_hf)
         check_run_paths(data=cfg.data, checkpoint_dir=cfg.checkpoint_dir, resume=cfg.resume,
                         init_from_hf=cfg.init_from_hf, metrics=cfg.metrics, tensorboard=cfg.tensorboard)
         for flag, given, built in (("--batch-size", cfg.batch_size, manifest.batch_size),
@@ -73,19 +76,9 @@ class RunState:
             if given is not None and given != built:
                 raise ValueError(f"{flag} {given} differs from the artifact's {built} (it shapes the graphs); "
                                  f"rebuild with titan-build {flag} {given}, or drop {flag}")
-        if cfg.steps == 0 and cfg.checkpoint_dir is None:
-            raise ValueError("--steps 0 trains nothing; pass --steps N, or add --checkpoint-dir DIR to checkpoint "
-                             "the initial weights")
-        if cfg.checkpoint_every is not None and cfg.checkpoint_dir is None:
-            raise ValueError("--checkpoint-every needs --checkpoint-dir DIR (where to write the checkpoints)")
         if cfg.data is not None:
             self.notes += check_token_file(cfg.data, dtype=cfg.data_dtype, manifest=manifest, steps=cfg.steps)
         if cfg.resume:
-            if cfg.init_from_hf is not None:
-                raise ValueError("--resume continues from a titan checkpoint, --init-from-hf starts from a Hugging "
-                                 "Face one: pass only one of them")
-            if cfg.checkpoint_dir is None:
-                raise ValueError("--resume needs --checkpoint-dir DIR (the directory the earlier run wrote to)")
             self.resume_from = checkpoint.resolve_checkpoint(cfg.checkpoint_dir, flag="--resume --checkpoint-dir",
                                                           step_dir_ok=False)
             self.resumed = checkpoint.read_state(self.resume_from)
