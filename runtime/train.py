@@ -224,7 +224,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     # Initial state (seed / --init-from-hf / --resume), checkpoints and the one check of the run's
     # options against the artifact: runtime/run_state.py.
     record = artifact.rank_record(env.rank)
-    with phases(f"rank {env.rank}: checking the run's options and files", short="checks"):
+    reader = " (importing torch's checkpoint reader)" if cfg.resume or cfg.checkpoint_dir else ""
+    with phases(f"rank {env.rank}: checking the run's options and files{reader}", short="checks"):
         run_state = RunState(cfg, artifact.manifest, record.params, buffers=record.buffers)
     if startup.STARTED_ENV not in os.environ:  # not spawned by titan-run, which said these already (torchrun)
         for note in run_state.notes:
