@@ -53,8 +53,10 @@ def check_run_paths(*, data: str | None = None, checkpoint_dir: str | None = Non
         if not hf.is_dir():
             raise ValueError(f"--init-from-hf {init_from_hf}: no such directory; give a Hugging Face model directory "
                              "(config.json and *.safetensors)")
-        _readable_file("--init-from-hf", str(hf / "config.json"),
-                       "give a Hugging Face model directory (config.json and *.safetensors)")
+        if not (hf / "config.json").is_file():
+            raise ValueError(f"--init-from-hf {init_from_hf}: no config.json there; give a Hugging Face model "
+                             "directory (config.json and *.safetensors)")
+        _readable_file("--init-from-hf", str(hf / "config.json"), "make the Hugging Face model directory readable")
         if not any(hf.glob("*.safetensors")):
             raise ValueError(f"--init-from-hf {init_from_hf} holds no *.safetensors files; download the weights "
                              "(safetensors) into it")

@@ -52,7 +52,7 @@ def test_a_missing_file_is_refused_before_torch_is_imported(debug_artifact, tmp_
     for args, message in (
             (("--data", tmp_path / "nope.bin"), f"error: --data {tmp_path / 'nope.bin'}: no such file; write a token "
                                                  "file with titan-data"),
-            (("--init-from-hf", tmp_path), f"error: --init-from-hf {tmp_path / 'config.json'}: no such file; give a "
+            (("--init-from-hf", tmp_path), f"error: --init-from-hf {tmp_path}: no config.json there; give a "
                                            "Hugging Face model directory"),
             (("--checkpoint-dir", tmp_path / "none", "--resume"), f"error: --resume --checkpoint-dir {tmp_path / 'none'}:"
                                                                   " no such directory")):
