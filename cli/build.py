@@ -12,9 +12,21 @@ from titan.cli.errors import Command
 from titan.cli.options import POSITIVE, NonEmptyPath
 
 
+def _flavor_help() -> str:
+    from titan.builder.models.deepseek_v3.config import FLAVORS as DEEPSEEK_V3
+    from titan.builder.models.llama3.config import FLAVORS as LLAMA3
+
+    def names(flavors) -> str:
+        return ", ".join(f"{n} (default)" if n == flavors.default else n for n in flavors)
+    return f"Model size: llama3: {names(LLAMA3)}; deepseek_v3: {names(DEEPSEEK_V3)}."
+
+
+FLAVOR_HELP = _flavor_help()
+
+
 @click.command(cls=Command)
 @click.option("--model", default="llama3", show_default=True, help="Model family: llama3, deepseek_v3 or qwen3.")
-@click.option("--flavor", default=None, help="Model size: debug, 1B, 8B (default), 70B, 405B (llama3; other models: their README).")
+@click.option("--flavor", default=None, help=FLAVOR_HELP)
 @click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (with sequence parallel).")
 @click.option("--dp-shard", default=1, show_default=True, type=POSITIVE, help="FSDP degree.")
 @click.option("--dp-replicate", default=1, show_default=True, type=POSITIVE, help="Replicated data-parallel degree.")
@@ -50,8 +62,19 @@ from titan.cli.options import POSITIVE, NonEmptyPath
 @click.option("--sign", "sign_key", default=None, type=NonEmptyPath(dir_okay=False),
               help="Sign the artifact's manifest with this key file (made, mode 0600, if missing) instead of your own "
                    "cache key: titan-run --trust KEYFILE then loads the compiled kernels it carries.")
+@click.option("--n-layers", default=None, type=POSITIVE, help="Transformer blocks (default: the flavor's).")
+@click.option("--dim", default=None, type=POSITIVE, help="Model width (default: the flavor's).")
+@click.option("--n-heads", default=None, type=POSITIVE, help="Attention (query) heads (default: the flavor's).")
+@click.option("--n-kv-heads", default=None, type=POSITIVE, help="Key/value heads, llama3 (default: the flavor's).")
+@click.option("--vocab-size", default=None, type=POSITIVE,
+              help="Vocabulary: embedding rows and logits, e.g. your tokenizer's (default: the flavor's).")
+@click.option("--ffn-dim", default=None, type=POSITIVE, help="Feed-forward hidden width, llama3 (default: derived "
+              "from the width as Llama 3 does).")
+@click.option("--shape", "shape_args", multiple=True, metavar="FIELD=VALUE",
+              help="Set any field of the family's config on top of the flavor (repeatable), e.g. "
+                   "--shape moe_hidden=64 for deepseek_v3; an unknown FIELD lists them.")
 def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
-         replace, jobs, cache_dir, explain, kernels, sign_key):
+         replace, jobs, cache_dir, explain, kernels, sign_key, n_layers, dim, n_heads, n_kv_heads, vocab_size, ffn_dim, shape_args):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
     import titan.runtime.common.compiler_caches as compiler_caches
     from titan.runtime.kernels.artifact_trust import sign_artifact, signing_key
@@ -74,11 +97,15 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     from titan.runtime.memory_estimate import PARAM_STATE_BYTES, param_elements
     from titan.runtime.store.lock import LOCK_WAIT_ENV, lock_wait_s
     signer_key = signing_key(sign_key)  # a key file that cannot be used is refused before anything is traced
+    from titan.builder.models.shape import parse_shape_args
     from titan.cli.build_progress import BuildProgress
 
+    shape = parse_shape_args(shape_args)
+    shape.update({k: v for k, v in dict(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                        vocab_size=vocab_size, ffn_dim=ffn_dim).items() if v is not None})
     spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
                      batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac, fuse=fuse,
-                     passes=None if passes is None else tuple(p for p in passes.split(",") if p))
+                     passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape)
     out = out or Path("artifacts") / spec.name
     lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work
     if not replace:
@@ -86,7 +113,14 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     jobs = jobs or os.cpu_count() or 1
     world = spec.layout.world_size
     key = digest(build_factors(spec))
-    click.echo(f"building {out}: {model} {spec.flavor}, {world} rank(s) [{spec.layout.tag()}], batch "
+    if flavor is None:
+        from titan.builder.spec.host_fit import default_flavor_warning
+        warning = default_flavor_warning(spec)
+        if warning:
+            click.echo(f"warning: {warning}")
+    custom = "".join(f", {name} {value:g}" if isinstance(value, float) else f", {name} {value}"
+                     for name, value in spec.shape)
+    click.echo(f"building {out}: {model} {spec.flavor}{custom}, {world} rank(s) [{spec.layout.tag()}], batch "
                f"{spec.batch_size} x seq {spec.seq_len}, {spec.dtype}{timings.expectation('build', key)}")
     t0 = time.perf_counter()
     from titan.builder.program.bind import probe_ranks

@@ -92,23 +92,41 @@ def ls_cmd(ctx):
 
     def exact_fusion(model: str) -> bool:
         return MODELS[model].exact_fusion if model in MODELS else True
-    click.echo(f"{'key':<14}{'model':<14}{'layout':<20}{'batch':>9}  {'choices':<24}{'torch':<8}{'ranks':>6}"
-               f"{'blobs':>6}{'size':>11}  last used")
+    rows = []
     for i in infos:
         f = i.entry["factors"]
         mesh = "-".join(f"{n.replace('_', '-')}{s}" for n, s in f["mesh"]) or "single"
-        # Whatever else shapes the graphs (dtype, AC, passes) and differs from the defaults.
-        choices = non_default_choices(flavor=f["flavor"], mesh=f["mesh"], batch_size=f["batch size"],
-                                      seq_len=f["seq len"], dtype=f["dtype"], ac=f["activation checkpointing"],
-                                      passes=f["passes"], exact_fusion=exact_fusion(f["model"]))
+        # Whatever else shapes the graphs (a custom shape, dtype, AC, passes) and differs from the defaults.
+        choices = _custom_shape(f) + non_default_choices(
+            flavor=f["flavor"], mesh=f["mesh"], batch_size=f["batch size"], seq_len=f["seq len"], dtype=f["dtype"],
+            ac=f["activation checkpointing"], passes=f["passes"], exact_fusion=exact_fusion(f["model"]))
         choices = [c for c in choices if c[0] not in "bs" or not c[1:].isdigit()]  # the batch column has those
-        click.echo(f"{i.key[:12]:<14}{f['model'] + ' ' + f['flavor']:<14}{mesh:<20}"
-                   f"{str(f['batch size']) + 'x' + str(f['seq len']):>9}  {' '.join(choices) or 'defaults':<24}"
-                   f"{f['torch version']:<8}{len(i.entry['ranks']):>6}{len(cache.entry_blobs(i.entry)):>6}"
-                   f"{_human(i.size):>11}  {_ago(i.last_used)}")
+        rows.append((i.key[:12], f"{f['model']} {f['flavor']}", mesh, f"{f['batch size']}x{f['seq len']}",
+                     " ".join(choices) or "defaults", f["torch version"], str(len(i.entry["ranks"])),
+                     str(len(cache.entry_blobs(i.entry))), _human(i.size), _ago(i.last_used)))
+    header = ("key", "model", "layout", "batch", "choices", "torch", "ranks", "blobs", "size", "last used")
+    # Each column as wide as its longest cell (a DeepSeek-V3 flavor name is longer than a Llama one).
+    widths = [max(len(r[c]) for r in (header, *rows)) for c in range(len(header))]
+    right = {3, 6, 7, 8}
+    for row in (header, *rows):
+        click.echo("  ".join(cell.rjust(w) if c in right else cell.ljust(w)
+                             for c, (cell, w) in enumerate(zip(row, widths))).rstrip())
     click.echo(f"total {_human(cache.size())} in {cache.root}")
     if kernels:
         click.echo(kernels)
+
+
+def _custom_shape(factors: dict) -> list[str]:
+    """Tags for the model dimensions an entry set on top of its flavor (titan-build --dim ...)."""
+    from titan.builder.models import MODELS
+    from titan.builder.models.shape import shape_tags
+
+    family = MODELS.get(factors["model"])
+    if family is None or factors["flavor"] not in family.flavors:
+        return []
+    base = family.flavors[factors["flavor"]].as_dict()
+    config = factors.get("model config") or {}
+    return shape_tags({k: v for k, v in config.items() if k in base and base[k] != v})
 
 
 @main.command("info")

@@ -20,11 +20,13 @@ GRAPHS = {"fw": ("forward",), "bw": ("backward",), "all": ("forward", "backward"
 @click.argument("artifacts", nargs=-1, required=True, type=click.Path(file_okay=False))
 @click.option("--ranks", nargs=2, type=NON_NEGATIVE, default=None, help="Two ranks of one artifact.")
 @click.option("--rank", type=NON_NEGATIVE, default=0, show_default=True, help="The rank to compare across two builds.")
-@click.option("--graph", "graph", default="all", show_default=True, type=click.Choice(list(GRAPHS)))
+@click.option("--graph", "graph", default="all", show_default=True, type=click.Choice(list(GRAPHS)),
+              help="Which graphs to compare: forward (fw), backward (bw) or both.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--max-lines", default=200, show_default=True, type=click.IntRange(min=0), help="Detail lines shown.")
 def main(artifacts, ranks, rank, graph, as_json, max_lines):
-    """titan-diff ART --ranks A B  |  titan-diff ART1 ART2 [--rank R]"""
+    """What differs between two ranks of one artifact (ART --ranks A B) or one rank of two builds
+    (ART1 ART2 [--rank R]): their graphs and metadata. Exit 0 identical, 1 different."""
     from titan.cli.tools.graph_diff import diff_ranks
     from titan.runtime.contract.artifact import open_artifact
 

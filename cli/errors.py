@@ -5,7 +5,7 @@ stderr and exit status 2, never click's usage block or a traceback.
 usage errors (a missing argument, an unknown option, a value outside its type) and what a
 command raises for bad input: ValueError (ArtifactError, bad layouts, bad options), OSError (a
 path that cannot be used) and RecursionError (an input nested too deeply). Both answer -h as
---help. (Ctrl-C is handled before any command code runs: titan/cli/__init__.py.)
+--help, and every one has --version. (Ctrl-C is handled before any command code runs: titan/cli/__init__.py.)
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class _OneLineErrors:
     def __init__(self, *args, context_settings: dict | None = None, **kwargs):
         settings = {"help_option_names": ["-h", "--help"], **(context_settings or {})}
         super().__init__(*args, context_settings=settings, **kwargs)
+        from titan.cli.options import version_option
+        self.params.append(version_option())
 
     def main(self, args=None, prog_name=None, **kwargs):
         kwargs.pop("standalone_mode", None)
@@ -30,7 +32,7 @@ class _OneLineErrors:
             code = super().main(args, prog_name, standalone_mode=False, **kwargs)
         except click.ClickException as e:
             message = e.format_message().replace("\n", " ").rstrip(".")
-            _fail(f"{message[:1].lower()}{message[1:]}; see {_command_path(e, prog_name or _program())} --help")
+            _fail(f"{message[:1].lower()}{message[1:]}; see {_command_path(e, prog_name or program_name())} --help")
         except ValueError as e:
             _fail(str(e))
         except RecursionError:
@@ -48,7 +50,7 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def _program() -> str:
+def program_name() -> str:
     """titan-run for the console script and for `python -m titan.cli.run` alike (titan for the group)."""
     name = os.path.basename(sys.argv[0])
     if not name.endswith(".py"):

@@ -20,13 +20,13 @@ PANEL_W, PANEL_H, DPI = 8.0, 2.5, 100
 @click.argument("metrics", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--out", default=None, type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="PNG to write: loss, tokens/s and (when recorded) peak memory over steps.")
-@click.option("--summary", "show_summary", is_flag=True, help="Print steps, first/last/min loss, median tokens/s.")
+@click.option("--summary", "show_summary", is_flag=True,
+              help="Print steps, first/last/min loss, median tokens/s (what titan-report does without -o).")
 def main(metrics, out, show_summary):
-    """Plot METRICS (a titan-run --metrics file) into a PNG and/or print a summary."""
+    """Summarize METRICS (a titan-run --metrics file), or plot it into a PNG with -o (--summary: both)."""
     from titan.runtime.metrics_file import read_metrics, summary
 
-    if out is None and not show_summary:
-        raise ValueError("nothing to do: give -o report.png and/or --summary")
+    show_summary = show_summary or out is None
     records = read_metrics(metrics)
     if show_summary:
         for line in summary(records):

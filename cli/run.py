@@ -19,6 +19,7 @@ import click
 from titan.cli.errors import Command
 from titan.cli.options import kernel_trust, kernel_trust_options, LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, NonEmptyPath, command_args
 from titan.runtime.common import interrupt
+from titan.runtime.startup import Phases, job_started
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
               help="Write one JSON object per step to this new file (--resume rewrites it from the checkpoint's step).")
 @click.option("--tensorboard", default=None, type=NonEmptyPath(file_okay=False),
               help="Write TensorBoard scalars (loss, tokens/s, step time, GPU peak memory) into this directory.")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+              help="Where the ranks run: cpu (gloo), cuda (one GPU per rank, nccl) or auto (cuda when the host has a GPU per rank).")
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
 @click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=TIMEOUT,
               help="Seconds a rank waits in a collective (or for its peers) before the job fails.")
@@ -72,32 +74,68 @@ def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metri
         # Registered before the ranks' stop (spawn_local), so it runs after it on a signal.
         interrupt.on_interrupt(lambda: _where_to_resume(checkpoint_dir))
     if launcher:
-        t0 = time.time()
-        art = _announce(artifact, device)  # the first line, before torch is imported (seconds)
-    from titan.runtime.train import RunConfig
+        t0 = job_started()
+        options = dict(steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+                       init_from_hf=init_from_hf)
+        art = _announce(artifact, device, options=options, data=data, checkpoint_dir=checkpoint_dir, resume=resume,
+                        init_from_hf=init_from_hf, metrics=metrics, tensorboard=tensorboard)
+        phases = Phases(click.echo)
+        checking = phases("checking the artifact's files and the run's options (importing torch first)")
+    else:
+        from titan.runtime.startup import rank_phases
+        checking = rank_phases()(f"rank {os.environ['RANK']}: importing torch", short="torch import")
+    with checking:
+        from titan.runtime.train import RunConfig
 
-    cfg = RunConfig(steps=steps, lr=lr, seed=seed, batch_size=batch_size, seq_len=seq_len, data=data,
-                    data_dtype=data_dtype, metrics=metrics, tensorboard=tensorboard, device=device,
-                    deterministic=deterministic, cuda_graphs=cuda_graphs, fused_adamw=fused_adamw, timeout_s=timeout_s,
-                    init_from_hf=init_from_hf, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                    resume=resume, resume_with_changes=resume_with_changes, kernel_trust=trust)
+        cfg = RunConfig(steps=steps, lr=lr, seed=seed, batch_size=batch_size, seq_len=seq_len, data=data,
+                        data_dtype=data_dtype, metrics=metrics, tensorboard=tensorboard, device=device,
+                        deterministic=deterministic, cuda_graphs=cuda_graphs, fused_adamw=fused_adamw,
+                        timeout_s=timeout_s, init_from_hf=init_from_hf, checkpoint_dir=checkpoint_dir,
+                        checkpoint_every=checkpoint_every, resume=resume, resume_with_changes=resume_with_changes,
+                        kernel_trust=trust)
+        if launcher:
+            origin = check_run(art, cfg)
     if not launcher:
         from titan.runtime.distributed import exit_rank
         from titan.runtime.train import rank_main
         exit_rank(rank_main(artifact, cfg))
+    click.echo(f"start: {origin}")
     sys.exit(launch(art, cfg, started=t0))
 
 
-def _announce(artifact: str, device: str):
-    """Open the artifact and say what titan-run does first (and how long it took last time)."""
+def _announce(artifact: str, device: str, *, options: dict, **paths):
+    """Open the artifact, make the checks that need no torch (the files the options name, the
+    memory the ranks need), and say what the run is (and how long its start took last time)."""
     from titan.runtime.common import timings
     from titan.runtime.contract.artifact import open_artifact
+    from titan.runtime.run_paths import check_option_combinations, check_run_paths
 
     art = open_artifact(artifact)
-    last = timings.last("run-start", run_start_key(art.manifest, device))
-    click.echo(f"titan-run {art.root}: checking its files and starting {art.world_size} rank(s)"
+    check_option_combinations(**options)
+    check_run_paths(**paths)
+    warning = check_memory(art, device)
+    m = art.manifest
+    last = timings.last("run-start", run_start_key(m, device))
+    click.echo(f"titan-run {art.root}: {describe_build(m)}"
                + ("" if last is None else f" (step 1 came {last:.1f} s after start last time)"))
+    if warning:
+        click.echo(f"warning: {warning}")
     return art
+
+
+def describe_build(manifest: Manifest) -> str:
+    """'llama3 debug, 2 rank(s) [tp2], batch 2 x seq 128, float32'."""
+    return (f"{manifest.model} {manifest.flavor}, {manifest.world_size} rank(s) [{manifest.layout.tag()}], "
+            f"batch {manifest.batch_size} x seq {manifest.seq_len}, {manifest.dtype}")
+
+
+def check_memory(art, device: str) -> str | None:
+    """Refuse a job whose ranks cannot fit this host's memory (on GPU: one GPU's); returns a
+    warning when they only exceed what is free now."""
+    from titan.runtime.memory_fit import check_fits, gpu_memory
+
+    gpu = device == "cuda" or (device == "auto" and gpu_memory() is not None)
+    return check_fits([art.rank_record(0)] * art.world_size, gpu=gpu)
 
 
 def run_start_key(manifest: Manifest, device: str) -> str:
@@ -105,13 +143,17 @@ def run_start_key(manifest: Manifest, device: str) -> str:
     return f"{manifest.cache_key}-{device}"
 
 
-def launch(art, cfg, *, started: float) -> int:
-    """Check the run once, then spawn its ranks on this host; returns the job's exit code."""
+def check_run(art, cfg) -> str:
+    """The checks every rank will make, made once before any starts; returns what the run
+    starts from (for its `start:` line)."""
     from titan.runtime.run_state import RunState
 
     art.verify_all()
     record = art.rank_record(0)
-    RunState(cfg, art.manifest, record.params, buffers=record.buffers).close()  # every rank's checks, once
+    state = RunState(cfg, art.manifest, record.params, buffers=record.buffers)  # every rank's checks, once
+    state.close()
+    for note in state.notes:
+        click.echo(note)
     if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         from titan.runtime.step_log import TENSORBOARD_HINT
         raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
@@ -119,8 +161,17 @@ def launch(art, cfg, *, started: float) -> int:
         _check_gpus(art.world_size, cfg.device)
     from titan.runtime.memory_estimate import check_local_ranks
     check_local_ranks(art.world_size, record, cfg.device, name=str(art.root))  # a CPU host's cores and memory
+    return state.origin()
+
+
+def launch(art, cfg, *, started: float) -> int:
+    """Spawn the run's ranks on this host; returns the job's exit code."""
     from titan.runtime.launch import spawn_local
-    os.environ["TITAN_RUN_STARTED"] = repr(started)  # rank 0 records the start-up time from here
+    from titan.runtime.startup import SPAWNED_ENV, STARTED_ENV
+
+    click.echo(f"starting {art.world_size} rank(s)")
+    os.environ[STARTED_ENV] = repr(started)  # rank 0 records the start-up time from here
+    os.environ[SPAWNED_ENV] = repr(time.time())
     return spawn_local("titan.cli.run", command_args(), art.world_size)
 
 

@@ -10,8 +10,9 @@ from titan.cli.options import NON_NEGATIVE
 
 @click.command(cls=Command)
 @click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--rank", type=NON_NEGATIVE, default=0, show_default=True)
-@click.option("--graph", default="all", show_default=True, type=click.Choice(["fw", "bw", "all"]))
+@click.option("--rank", type=NON_NEGATIVE, default=0, show_default=True, help="The rank whose program to list.")
+@click.option("--graph", default="all", show_default=True, type=click.Choice(["fw", "bw", "all"]),
+              help="Which graphs to list: forward (fw), backward (bw) or both.")
 def main(artifact, rank, graph):
     """List the forward and/or backward graph of one rank."""
     from titan.cli.tools.graph_listing import list_graph, list_rank_plan

@@ -16,13 +16,16 @@ from titan.cli.options import kernel_trust, kernel_trust_options, LEARNING_RATE,
 
 @click.command(cls=Command)
 @click.argument("artifact", type=NonEmptyPath(file_okay=False))
-@click.option("--steps", default=10, show_default=True, type=POSITIVE)
-@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE)
-@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--steps", default=10, show_default=True, type=POSITIVE,
+              help="Optimizer steps to train each way (eagerly, then from the artifact) and compare.")
+@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE, help="AdamW learning rate (> 0), both ways.")
+@click.option("--seed", default=0, show_default=True, type=SEED,
+              help="Seed for the initial weights and synthetic data, both ways.")
 @click.option("--data", default=None, type=NonEmptyPath(dir_okay=False), help="Flat token file (default: synthetic tokens).")
 @click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
               help="Token file element type (default: from its titan-data sidecar, else uint16).")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+              help="Where the ranks run: cpu (gloo), cuda (one GPU per rank, nccl) or auto (cuda when the host has a GPU per rank).")
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="On GPU, capture forward + backward in a CUDA graph and replay it.")
@@ -39,30 +42,52 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
     trust = kernel_trust(trust_keys, trust_unsigned_kernels)
     launcher = "RANK" not in os.environ
     if launcher:  # the first line, before torch is imported (seconds)
+        from titan.cli.run import check_memory, describe_build
         from titan.runtime.common import timings
         from titan.runtime.contract.artifact import open_artifact
+        from titan.runtime.run_paths import check_run_paths
+        from titan.runtime.startup import Phases, job_started
+        t0 = job_started()
         art = open_artifact(artifact)
+        check_run_paths(data=data, metrics=json_path)
+        warning = check_memory(art, device)
         key = f"{art.manifest.cache_key}-{steps}-{device}"
-        click.echo(f"titan-verify {art.root}: training {steps} step(s) eagerly and from the artifact on "
-                   f"{art.world_size} rank(s), then comparing every loss and parameter{timings.expectation('verify', key)}")
-        t0 = time.perf_counter()
-    from titan.runtime.train import RunConfig
+        click.echo(f"titan-verify {art.root}: {describe_build(art.manifest)}; training {steps} step(s) eagerly and "
+                   f"from the artifact, then comparing every loss and parameter{timings.expectation('verify', key)}")
+        if warning:
+            click.echo(f"warning: {warning}")
+        checking = Phases(click.echo)("checking the artifact's files and the eager model (importing torch first)")
+    else:
+        from titan.runtime.startup import rank_phases
+        checking = rank_phases()(f"rank {os.environ['RANK']}: importing torch", short="torch import")
+    with checking:
+        from titan.runtime.train import RunConfig
 
-    cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
-                    deterministic=deterministic, cuda_graphs=cuda_graphs,
-                    fused_adamw=fused_adamw, kernel_trust=trust)
+        cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
+                        deterministic=deterministic, cuda_graphs=cuda_graphs,
+                        fused_adamw=fused_adamw, kernel_trust=trust)
+        if launcher:
+            art.verify_all()
+            from titan.cli.tools.verify import eager_config
+            eager_config(art.manifest)  # the eager model can be built (a mistake is one line, not one per rank)
+            from titan.runtime.run_state import RunState
+            state = RunState(cfg, art.manifest, art.rank_record(0).params)  # the run's checks (--data), once
+            state.close()
+            from titan.runtime.memory_estimate import check_local_ranks
+            check_local_ranks(art.world_size, art.rank_record(0), device, name=str(art.root))  # a CPU host's cores and memory
     if not launcher:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))
-    art.verify_all()
-    from titan.runtime.run_state import RunState
-    RunState(cfg, art.manifest, art.rank_record(0).params).close()  # the run's checks (--data), once
-    from titan.runtime.memory_estimate import check_local_ranks
-    check_local_ranks(art.world_size, art.rank_record(0), device, name=str(art.root))  # a CPU host's cores and memory
+    for note in state.notes:
+        click.echo(note)
+    click.echo(f"start: {state.origin()}")
+    click.echo(f"starting {art.world_size} rank(s)")
     from titan.runtime.launch import spawn_local
+    from titan.runtime.startup import SPAWNED_ENV, STARTED_ENV
+    os.environ[STARTED_ENV], os.environ[SPAWNED_ENV] = repr(t0), repr(time.time())
     code = spawn_local("titan.cli.verify", command_args(), art.world_size)
     if code in (0, 1):  # finished (equal or not)
-        timings.record("verify", key, time.perf_counter() - t0)
+        timings.record("verify", key, time.time() - t0)
     sys.exit(code)
 
 
@@ -73,8 +98,9 @@ def _rank(artifact: str, cfg, json_path: str | None) -> int:
 
 def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
     from titan.cli.tools.verify import all_ranks_equal, verify_rank
-    eager, graph, device, differ, n_params = verify_rank(artifact, cfg, env)
-    losses_equal, differ = all_ranks_equal(eager, graph, device, differ)
+    v = verify_rank(artifact, cfg, env)
+    eager, graph = v.eager, v.artifact
+    losses_equal, differ = all_ranks_equal(eager, graph, v.device, v.params_differ)
     equal = losses_equal and differ == 0
     if env.rank == 0:
         if json_path:
@@ -85,14 +111,40 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
         for i, (a, b) in enumerate(zip(eager, graph), 1):
             print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {'yes' if bool((a == b).all()) else 'NO'}")
         print(f"parameters after step {len(graph)}: " + ("all bitwise equal" if differ == 0 else
-              f"{differ} tensors differ") + f" ({n_params} tensors per rank, {env.world_size} ranks)")
+              f"{differ} tensors differ") + f" ({v.n_params} tensors per rank, {env.world_size} ranks)")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
         changing = _numerics_changing_passes(artifact)
         if changing and not equal:
             worst = max(abs(a.item() - b.item()) / max(abs(a.item()), 1e-30) for a, b in zip(eager, graph))
             print(f"note: built with passes that change numerics ({', '.join(changing)}); largest relative loss "
                   f"difference {worst:.2e}", flush=True)
+        print(_summary(v), flush=True)
     return 0 if equal else 1
+
+
+def _summary(v) -> str:
+    """The paragraph that ends titan-verify: time, where it went, speeds, losses, memory."""
+    import statistics
+
+    import torch
+
+    from titan.runtime import startup
+
+    phases = startup.rank_phases()
+    startup.launcher_phase(phases)
+    speed = {name: statistics.median(r["tokens_per_s"] for r in steps)
+             for name, steps in (("artifact", v.artifact_steps), ("eager", v.eager_steps)) if steps}
+    gpu = v.device.type == "cuda"
+    memory = startup.peak_memory_text(v.device.type, torch.cuda.max_memory_allocated(v.device) if gpu else None)
+    parts = [f"done: {len(v.artifact)} step(s) eagerly and from the artifact in "
+             f"{time.time() - startup.job_started():.1f} s ({phases.breakdown()})",
+             " and ".join(f"{name} median {s:,.0f} tokens/s" for name, s in speed.items())]
+    if v.artifact_steps:
+        first, last = v.artifact_steps[0], v.artifact_steps[-1]
+        parts.append(f"loss {first['loss']:.4f} at step {first['step']}, {last['loss']:.4f} at step {last['step']}")
+    if memory:
+        parts.append(memory)
+    return "; ".join(p for p in parts if p) + "."
 
 
 def _numerics_changing_passes(artifact: str) -> list[str]:

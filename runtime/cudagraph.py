@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from titan.runtime.startup import rank_phases
+
 WARMUP_STEPS = 1
 
 
@@ -53,7 +55,8 @@ class CapturedStep:
         if self.graph is None:
             self.static["tokens"], self.static["labels"] = tokens.clone(), labels.clone()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with rank_phases()("capturing forward and backward in a CUDA graph", short="capture"), \
+                    torch.cuda.graph(self.graph):
                 loss, grads = self.program.forward_backward(self.static["tokens"], self.static["labels"])
             self.static["loss"], self.static["grads"] = loss, grads
         else:

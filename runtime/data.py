@@ -148,6 +148,12 @@ def check_token_file(path: str | Path, *, dtype: str | None, manifest: Manifest,
     return []
 
 
+def describe_token_file(path: str | Path, *, dtype: str | None, vocab_size: int) -> str:
+    """'FILE (1,234,567 tokens, uint16)' for a file check_token_file accepted."""
+    dtype, tokens = _token_count(Path(path), dtype=dtype, vocab_size=vocab_size)
+    return f"{path} ({tokens:,} tokens, {dtype})"
+
+
 def _looks_like_text(path: Path) -> bool:
     """A token file's bytes are ids: small ids have a zero high byte, and random ones are not
     UTF-8. Text is UTF-8 without NUL bytes."""

@@ -16,10 +16,11 @@ import torch
 
 from titan.runtime import checkpoint
 from titan.runtime.contract.hf_record import RECORD
-from titan.runtime.data import check_token_file
+from titan.runtime.data import check_token_file, describe_token_file
 from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.init import materialize
+from titan.runtime.run_paths import check_option_combinations, check_run_paths
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
@@ -65,24 +66,19 @@ class RunState:
 
     def _check(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...],
                buffers: tuple[BufferSpec, ...]) -> None:
+        check_option_combinations(steps=cfg.steps, checkpoint_dir=cfg.checkpoint_dir,
+                                  checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
+                                  init_from_hf=cfg.init_from_hf)
+        check_run_paths(data=cfg.data, checkpoint_dir=cfg.checkpoint_dir, resume=cfg.resume,
+                        init_from_hf=cfg.init_from_hf, metrics=cfg.metrics, tensorboard=cfg.tensorboard)
         for flag, given, built in (("--batch-size", cfg.batch_size, manifest.batch_size),
                                    ("--seq-len", cfg.seq_len, manifest.seq_len)):
             if given is not None and given != built:
                 raise ValueError(f"{flag} {given} differs from the artifact's {built} (it shapes the graphs); "
                                  f"rebuild with titan-build {flag} {given}, or drop {flag}")
-        if cfg.steps == 0 and cfg.checkpoint_dir is None:
-            raise ValueError("--steps 0 trains nothing; pass --steps N, or add --checkpoint-dir DIR to checkpoint "
-                             "the initial weights")
-        if cfg.checkpoint_every is not None and cfg.checkpoint_dir is None:
-            raise ValueError("--checkpoint-every needs --checkpoint-dir DIR (where to write the checkpoints)")
         if cfg.data is not None:
             self.notes += check_token_file(cfg.data, dtype=cfg.data_dtype, manifest=manifest, steps=cfg.steps)
         if cfg.resume:
-            if cfg.init_from_hf is not None:
-                raise ValueError("--resume continues from a titan checkpoint, --init-from-hf starts from a Hugging "
-                                 "Face one: pass only one of them")
-            if cfg.checkpoint_dir is None:
-                raise ValueError("--resume needs --checkpoint-dir DIR (the directory the earlier run wrote to)")
             self.resume_from = checkpoint.resolve_checkpoint(cfg.checkpoint_dir, flag="--resume --checkpoint-dir",
                                                           step_dir_ok=False)
             self.resumed = checkpoint.read_state(self.resume_from)
@@ -130,6 +126,31 @@ class RunState:
                     then, now = _data_name(then), _data_name(now)
                 changed.append(f"{name} {now} here, {then} there")
         return changed
+
+    def params_from(self) -> str:
+        """Where the initial parameters come from, in a few words."""
+        if self.resume_from is not None:
+            return f"to be filled from the checkpoint at step {self.start_step}"
+        if self.hf is not None:
+            return f"from the Hugging Face weights in {self.cfg.init_from_hf}"
+        return f"seeded init, seed {self.cfg.seed}"
+
+    def origin(self) -> str:
+        """What the run starts from and trains on, for its first lines."""
+        cfg = self.cfg
+        if self.resume_from is not None:
+            start = (f"resuming from {self.resume_from} (step {self.start_step}), to train steps "
+                     f"{self.start_step + 1}-{cfg.steps}")
+        elif self.hf is not None:
+            start = f"the Hugging Face weights in {cfg.init_from_hf}, to train steps 1-{cfg.steps}"
+        else:
+            start = f"fresh weights (seeded init, seed {cfg.seed}), to train steps 1-{cfg.steps}"
+        data = (f"synthetic tokens (seed {cfg.seed})" if cfg.data is None
+                else describe_token_file(cfg.data, dtype=cfg.data_dtype, vocab_size=self.manifest.vocab_size))
+        where = "" if cfg.checkpoint_dir is None else (
+            f"; checkpoints to {cfg.checkpoint_dir}" + (f" every {cfg.checkpoint_every} steps and" if cfg.checkpoint_every
+                                                        else "") + " at the last step")
+        return f"{start}; data: {data}{where}"
 
     @property
     def start_step(self) -> int:

@@ -23,6 +23,7 @@ from titan.runtime.init import materialize
 from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
+from titan.runtime.startup import rank_phases
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
 from titan.runtime.memory_estimate import check_device, estimate_from_graphs
@@ -107,7 +108,17 @@ class GraphProgram:
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None,
                  load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None,
-                 artifact_kernels: bool = False):
+                 params_from: str = "seeded init", artifact_kernels: bool = False):
+        phases = rank_phases()
+        with phases(f"rank {rank}: loading and checking its program", short="program"):
+            self._load(artifact, rank, device=device, mesh=mesh, artifact_kernels=artifact_kernels)
+        with phases(f"rank {rank}: materializing its parameters ({params_from})", short="parameters"):
+            record = artifact.rank_record(rank)
+            load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
+            self.params = [load_param(p) for p in record.params]
+            self.buffers = BufferState(record, device=device, load=load_buffer)
+
+    def _load(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, artifact_kernels: bool) -> None:
         record = artifact.rank_record(rank)
         # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
         self.forward, self.backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh))
@@ -119,9 +130,6 @@ class GraphProgram:
         self.fusion = compile_program_regions(self.forward, self.backward, device,
                                               artifact_kernel=artifact.kernel if artifact_kernels else None)
         self.inputs = record.forward_inputs
-        load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
-        self.params = [load_param(p) for p in record.params]
-        self.buffers = BufferState(record, device=device, load=load_buffer)
         self.coords = record.coords
 
     @torch.no_grad()
@@ -211,10 +219,12 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
              on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Train this rank; `on_step(step)` (if given) runs after each step's bookkeeping."""
     from titan.runtime.common import timings
+    from titan.runtime import startup
     from titan.runtime.launch import register_rank
     from titan.runtime.run_state import RunState
 
-    started = float(os.environ.get("TITAN_RUN_STARTED", time.time()))
+    started = startup.job_started()
+    phases = rank_phases()
     artifact = open_artifact(artifact_path)
     if env.world_size != artifact.world_size:
         raise ArtifactError(f"{artifact_path} was built for world size {artifact.world_size}, but this job has "
@@ -222,7 +232,13 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     # Initial state (seed / --init-from-hf / --resume), checkpoints and the one check of the run's
     # options against the artifact: runtime/run_state.py.
     record = artifact.rank_record(env.rank)
-    run_state = RunState(cfg, artifact.manifest, record.params, buffers=record.buffers)
+    reader = " (importing torch's checkpoint reader)" if cfg.resume or cfg.checkpoint_dir else ""
+    with phases(f"rank {env.rank}: checking the run's options and files{reader}", short="checks"):
+        run_state = RunState(cfg, artifact.manifest, record.params, buffers=record.buffers)
+    if startup.STARTED_ENV not in os.environ:  # not spawned by titan-run, which said these already (torchrun)
+        for note in run_state.notes:
+            _say(env, cfg, None, note)
+        _say(env, cfg, None, f"start: {run_state.origin()}")
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
     run_state.device = device
     if device.type == "cuda" and cfg.cuda_graphs:
@@ -230,9 +246,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         if disable_expandable_segments() and env.rank == 0:
             print("note: expandable_segments turned off for this run (it breaks CUDA graphs that capture "
                   "NCCL collectives); --no-cuda-graphs keeps it", flush=True)
-    for note in run_state.notes:
-        _say(env, cfg, None, note)
-    init_process_group(env, device, timeout_s=cfg.timeout_s)
+    with phases(f"rank {env.rank}: joining the other {env.world_size - 1} rank(s)", short="process group"):
+        init_process_group(env, device, timeout_s=cfg.timeout_s)
     if dist.is_initialized():
         register_rank(dist.distributed_c10d._get_default_store(), env.rank)
     layout = artifact.layout
@@ -252,13 +267,15 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     t_load = time.perf_counter()
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                            load_param=run_state.load_param,
-                           load_buffer=run_state.load_buffer, artifact_kernels=trusted)
+                           load_buffer=run_state.load_buffer, params_from=run_state.params_from(),
+                           artifact_kernels=trusted)
     if compiles and env.rank == 0:
         timings.record("fusion", key, time.perf_counter() - t_load)
     if program.fusion is not None:
         _say(env, cfg, None, program.fusion.line())
     optimizer = make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw)
-    start = run_state.restore(program.params, optimizer, buffers=program.buffers.tensors)
+    with phases(f"rank {env.rank}: loading the checkpoint {run_state.resume_from}", short="checkpoint load"):
+        start = run_state.restore(program.params, optimizer, buffers=program.buffers.tensors)
     log = _step_logger(cfg, env.rank == 0, cfg.steps, start)
 
     def checkpointed(s: int) -> None:
@@ -271,18 +288,50 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         checkpointed(start)
     data = make_data(artifact.manifest, cfg, program.coords)
     tokens_per_step = m.tokens_per_step
+    startup_s = None
 
     def after_step(s: int) -> None:
+        nonlocal startup_s
         if s == start + 1 and env.rank == 0:
-            timings.record("run-start", run_key, time.time() - started)
+            startup_s = time.time() - started
+            timings.record("run-start", run_key, startup_s)
         checkpointed(s)
         if on_step is not None:
             on_step(s)
 
+    records: list[dict] = []
+    log_all = None if log is None else (lambda rec: (records.append(rec), log(rec)))
     with step_function(program, cfg, device) as step:
-        return train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
-                          tokens_per_step=tokens_per_step, log=log, start=start, after_step=after_step,
-                          step_metrics=program.buffers.metrics if len(program.buffers) else None)
+        losses = train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
+                            tokens_per_step=tokens_per_step, log=log_all, start=start, after_step=after_step,
+                            step_metrics=program.buffers.metrics if len(program.buffers) else None)
+    if env.rank == 0 and not cfg.quiet:
+        startup.launcher_phase(phases)
+        print(run_summary(records, started=started, startup_s=startup_s, device=device, artifact=artifact,
+                          params=record.params), flush=True)
+    return losses
+
+
+def run_summary(records: list[dict], *, started: float, startup_s: float | None, device: torch.device,
+                artifact: Artifact, params) -> str:
+    """The paragraph that ends a run (rank 0), from its step records."""
+    from titan.runtime import startup
+    from titan.runtime.mfu import mfu_text
+
+    speeds = [r["tokens_per_s"] for r in records]
+    gpu = device.type == "cuda"
+    mfu = ""
+    if gpu and speeds:
+        import statistics
+        mfu = mfu_text(artifact.manifest, params, tokens_per_s=statistics.median(speeds),
+                       device_name=torch.cuda.get_device_name(device))
+    return startup.summary(
+        steps_run=len(records), total_steps=records[-1]["step"] if records else 0, wall_s=time.time() - started,
+        startup_s=startup_s, phases=rank_phases(), tokens_per_s=speeds,
+        first_loss=(records[0]["step"], records[0]["loss"]) if records else None,
+        last_loss=(records[-1]["step"], records[-1]["loss"]) if records else None,
+        memory=startup.peak_memory_text(device.type, torch.cuda.max_memory_allocated(device) if gpu else None),
+        mfu=mfu)
 
 
 @contextlib.contextmanager

@@ -79,6 +79,7 @@ def assert_every_rank_equals_eager(art: Path, tmp_path: Path, *, steps: int, ran
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bitwise equal: yes" in r.stdout
     assert f"parameters after step {steps}: all bitwise equal (21 tensors per rank, {ranks} ranks)" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith(f"done: {steps} step(s) eagerly and from the artifact in ")
     result = json.loads(out.read_text())
     assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"]
     return result

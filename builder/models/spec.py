@@ -102,6 +102,10 @@ class ModelSpec:
     """How each parameter is initialized, by fully qualified name (runtime/init.py draws them)."""
     tp_plan: Callable[[nn.Module], dict]
     """The tensor-parallel plan for parallelize_module: module path -> parallel style."""
+    check_shape: Callable[[ModelConfig], None]
+    """The family's rules for a config's own dimensions (heads divide the width, ...): raise
+    ValueError naming the rule and the fix. Checked for shapes set on top of a flavor
+    (builder/models/shape.py); the built-in flavors pass them."""
     check_layout: Callable[[ModelConfig, Layout], None]
     """The model's own layout checks: raise ValueError, naming the reason and the fix, when a
     layout does not divide the model (builder/spec/layout.py runs the checks common to every family

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
+from typing import Any, Mapping
 
 from titan.builder.passes.checkpointing import AC_POLICIES
 from titan.builder.spec.layout import check_layout
 from titan.builder.models import model_spec
+from titan.builder.models.shape import apply_shape, shape_tags
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes.registry import check_passes, default_passes
 from titan.runtime.contract.layout import Layout
@@ -45,6 +47,9 @@ class BuildSpec:
     n_layers: int | None = None
     """The flavor with this many layers instead of its own (tests of deep models at debug
     widths); part of the model config, so of the cache key."""
+    shape: tuple[tuple[str, int | float], ...] = ()
+    """Dimensions set on top of the flavor (field, value), checked by make_spec
+    (builder/models/shape.py); part of the model config and of the artifact's name."""
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -56,7 +61,7 @@ class BuildSpec:
 
     @property
     def cfg(self) -> ModelConfig:
-        cfg = self.model_spec.flavors[self.flavor]
+        cfg = replace(self.model_spec.flavors[self.flavor], **dict(self.shape))
         return cfg if self.n_layers is None else replace(cfg, n_layers=self.n_layers)
 
     @property
@@ -65,7 +70,7 @@ class BuildSpec:
         shapes the graphs and differs from its default (`llama3-debug-tp2-s256-bf16-ac-full`), so
         that two different builds never share a default directory."""
         flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
-        return "-".join([f"{self.model}{flavor}-{self.layout.tag()}",
+        return "-".join([f"{self.model}{flavor}", *shape_tags(dict(self.shape)), self.layout.tag(),
                          *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
                                               batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
                                               ac=self.ac, passes=self.passes,
@@ -122,8 +127,9 @@ def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: in
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int, ep: int = 1,
               batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
-              fuse: str | None = None) -> BuildSpec:
-    """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it."""
+              fuse: str | None = None, shape: Mapping[str, Any] | None = None) -> BuildSpec:
+    """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it.
+    `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py)."""
     family = model_spec(model)
     flavor = flavor or family.default_flavor
     if flavor not in family.flavors:
@@ -131,7 +137,8 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
-    check_layout(family, family.flavors[flavor], layout)
+    shaped = apply_shape(family, family.flavors[flavor], shape or {})
+    check_layout(family, shaped, layout)
     default_b, default_s = _default_shape(flavor)
     batch_size = default_b if batch_size is None else batch_size
     seq_len = default_s if seq_len is None else seq_len
@@ -156,4 +163,5 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         passes = tuple(p for p in passes if p != "fuse_exact") + (f"fuse_{fuse}",)
     check_passes(passes, sizes)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
-                     partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac)
+                     partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac,
+                     shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})))

@@ -5,6 +5,8 @@ of fp32 master weights)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
@@ -15,55 +17,80 @@ from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.kernels.artifact_trust import kernels_trusted
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.distributed import RankEnv, init_process_group, pick_device
+from titan.runtime.startup import rank_phases
 from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, compiles_regions, make_data, make_optimizer,
                                  step_function, train_loop)
 
 
 def eager_config(manifest: Manifest) -> tuple[ModelSpec, ModelConfig]:
-    """The artifact's model, as this titan's model code builds it."""
+    """The artifact's model, as this titan's model code builds it: its recorded config (a
+    flavor, or a shape of the user's own: builder/models/shape.py), held to the family's
+    shape rules."""
     spec = model_spec(manifest.model)
-    cfg = spec.config_from_dict(manifest.model_config)
-    if spec.flavors.get(manifest.flavor) != cfg:
-        raise ValueError(f"artifact model config does not match flavor {manifest.flavor!r} of this titan; "
-                         "rebuild the artifact with this version")
+    try:
+        cfg = spec.config_from_dict(manifest.model_config)
+        spec.check_shape(cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the artifact's model config is not one this titan's {manifest.model} code can build "
+                         f"({e}); rebuild the artifact with this version") from None
     return spec, cfg
 
 
-def verify_rank(artifact_path: str, cfg: RunConfig,
-                env: RankEnv) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.device, int, int]:
-    """Returns (eager losses, artifact losses, device, parameter tensors that differ after the last
-    step, parameter tensors); losses are summed over data-parallel ranks."""
+@dataclass(kw_only=True)
+class RankVerdict:
+    eager: list[torch.Tensor]
+    """Eager PyTorch's loss at each step (summed over data-parallel ranks)."""
+    artifact: list[torch.Tensor]
+    """The artifact's loss at each step (summed over data-parallel ranks)."""
+    device: torch.device
+    params_differ: int
+    """Parameter tensors of this rank that differ after the last step."""
+    n_params: int
+    """Parameter tensors of this rank."""
+    eager_steps: list[dict] = field(default_factory=list)
+    artifact_steps: list[dict] = field(default_factory=list)
+    """Each step's record (loss, tokens_per_s, ...), as titan-run logs them: for the summary."""
+
+
+def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> RankVerdict:
+    """Train eagerly, then from the artifact, and compare this rank's parameters."""
+    phases = rank_phases()
     art = open_artifact(artifact_path)
     m = art.manifest
     if env.world_size != art.world_size:
         raise ValueError(f"{artifact_path} needs {art.world_size} ranks, this job has {env.world_size}")
     device = pick_device(cfg.device, env, deterministic=cfg.deterministic)
-    init_process_group(env, device, timeout_s=cfg.timeout_s)
+    with phases(f"rank {env.rank}: joining the other {env.world_size - 1} rank(s)", short="process group"):
+        init_process_group(env, device, timeout_s=cfg.timeout_s)
     layout = art.layout
     mesh = layout.build_mesh(device.type)
     tokens_per_step = m.tokens_per_step
-    kw = dict(steps=cfg.steps, device=device, mesh=mesh, tokens_per_step=tokens_per_step, log=None)
+    verdict = RankVerdict(eager=[], artifact=[], device=device, params_differ=0, n_params=0)
+    kw = dict(steps=cfg.steps, device=device, mesh=mesh, tokens_per_step=tokens_per_step)
 
-    eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
-                         device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype))
-    # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors).
-    eager_opt = torch.optim.AdamW(eager.params, lr=cfg.lr, foreach=False, **ADAMW)
-    eager_losses = train_loop(eager.step, eager_opt,
-                              make_data(m, cfg, layout.coordinates(env.rank)), **kw)
-    eager_params = {fqn: p.detach().cpu() for fqn, p in eager.model.named_parameters()}
-    del eager, eager_opt
+    with phases(f"rank {env.rank}: building the model eagerly and training it {cfg.steps} step(s)", short="eager"):
+        eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
+                             device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype))
+        # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors).
+        eager_opt = torch.optim.AdamW(eager.params, lr=cfg.lr, foreach=False, **ADAMW)
+        verdict.eager = train_loop(eager.step, eager_opt, make_data(m, cfg, layout.coordinates(env.rank)),
+                                   log=verdict.eager_steps.append, **kw)
+        eager_params = {fqn: p.detach().cpu() for fqn, p in eager.model.named_parameters()}
+        del eager, eager_opt
     trusted, note = kernels_trusted(art, cfg.kernel_trust) if compiles_regions(m, device) else (False, "")
     if note and env.rank == 0:
         print(note, flush=True)
     program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed, artifact_kernels=trusted)
     if program.fusion is not None and env.rank == 0:
         print(program.fusion.line(), flush=True)
-    with step_function(program, cfg, device) as step:
-        graph_losses = train_loop(step, make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw),
-                                  make_data(m, cfg, program.coords), **kw)
+    with phases(f"rank {env.rank}: training {cfg.steps} step(s) from the artifact", short="artifact"), \
+            step_function(program, cfg, device) as step:
+        verdict.artifact = train_loop(step, make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw),
+                                      make_data(m, cfg, program.coords), log=verdict.artifact_steps.append, **kw)
     fqns = art.rank_record(env.rank).param_fqns
-    differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
-    return eager_losses, graph_losses, device, differ, len(fqns)
+    verdict.params_differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
+    verdict.n_params = len(fqns)
+    return verdict
 
 
 def all_ranks_equal(eager: list[torch.Tensor], graph: list[torch.Tensor], device: torch.device,

@@ -187,6 +187,9 @@ def test_bad_checkpoints_are_refused_and_nothing_is_lost(debug_artifact, tmp_pat
     _run(art, "--steps", 2, "--checkpoint-dir", ckpt)
     digest = _tree_digest(ckpt)
 
+    line = _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", tmp_path / "none", "--resume"))
+    assert "no such directory" in line and "drop --resume" in line  # found before torch is imported
+    (tmp_path / "empty").mkdir()
     line = _one_error(titan("run", art, "--steps", 4, "--checkpoint-dir", tmp_path / "empty", "--resume"))
     assert "no complete checkpoint" in line and "drop --resume" in line
     line = _one_error(titan("run", art, "--steps", 4, "--resume"))

@@ -19,7 +19,7 @@ def test_a_user_error_is_the_same_line_named_by_the_command_typed(tmp_path):
 
 
 def _losses(stdout: str) -> list[str]:
-    return re.findall(r"loss (\S+)", stdout)
+    return re.findall(r"^step .*\| loss (\S+)", stdout, re.MULTILINE)
 
 
 def test_titan_run_spawns_its_ranks_with_its_own_arguments(debug_artifact):

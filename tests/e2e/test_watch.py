@@ -48,8 +48,14 @@ def watched_run(debug_artifact, tmp_path_factory):
 
 def test_run_prints_one_plain_line_per_step_when_not_a_terminal(watched_run):
     r, records, _ = watched_run
-    first, *steps = r.stdout.splitlines()
-    assert first.startswith("titan-run ") and "checking its files and starting 1 rank(s)" in first
+    first, *rest, summary = r.stdout.splitlines()
+    assert first.startswith("titan-run ") and summary.startswith("done: 4 step(s) in ")
+    # Before the steps: what it starts from, the spawn, and start-up phases that took over a second.
+    head = rest[:rest.index("starting 1 rank(s)") + 1]
+    assert [line for line in head if not line.endswith(" ...")] == [
+        "start: fresh weights (seeded init, seed 0), to train steps 1-4; data: synthetic tokens (seed 0)",
+        "starting 1 rank(s)"]
+    steps = [line for line in rest[len(head):] if not line.endswith(" ...")]
     assert steps == [
         f"step {m['step']:>4}/4 | loss {m['loss']:.6f} | tokens/s {m['tokens_per_s']:,.0f} | step {m['step_time_s']:.3f} s"
         for m in records]
@@ -60,8 +66,15 @@ def test_run_redraws_a_progress_bar_on_a_terminal(debug_artifact, tmp_path):
     code, out = on_terminal("run", debug_artifact(), "--steps", 4, "--metrics", tmp_path / "m.jsonl")
     assert code == 0, out
     records = read_metrics(tmp_path / "m.jsonl")
-    first, out = out.split("\n", 1)  # what it does, at once; then the bar, redrawn in place
-    assert first.startswith("titan-run ") and "checking its files and starting 1 rank(s)" in first
+    # What it does, at once, and its start-up; then the bar, redrawn in place; then the summary.
+    head, out = out.split("\n\rstep 1/4", 1)
+    out = "\rstep 1/4" + out
+    lines = [line.removesuffix("\r") for line in head.split("\n")]
+    assert lines[0].startswith("titan-run ") and "starting 1 rank(s)" in lines
+    assert all(line.endswith(" ...") for line in lines[lines.index("starting 1 rank(s)") + 1:])  # phases
+    out, summary = out.rsplit("\x1b[K\r\n", 1)
+    out += "\x1b[K\r\n"
+    assert summary.startswith("done: 4 step(s) in ") and summary.endswith(".\r\n") and summary.count("\n") == 1
     assert out.startswith("\r") and out.endswith("\x1b[K\r\n") and out.count("\n") == 1
     frames = [f.removesuffix("\x1b[K") for f in out.removesuffix("\r\n").split("\r")[1:]]
     assert len(frames) == 4
@@ -130,6 +143,8 @@ def test_report_plots_and_summarizes_a_run(watched_run, tmp_path):
         f"step time    median {statistics.median(m['step_time_s'] for m in records):.4f} s",
         f"wrote {tmp_path / 'report.png'}"]
     assert _png_size(tmp_path / "report.png") == (800, 500)  # loss and tokens/s panels
+    plain = titan("report", root / "m.jsonl")  # no flags: the summary alone
+    assert plain.returncode == 0 and plain.stdout.splitlines() == r.stdout.splitlines()[:-1], plain.stderr
 
     # A GPU run's file also records peak memory: a third panel and a summary line.
     gpu = tmp_path / "gpu.jsonl"

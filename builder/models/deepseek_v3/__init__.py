@@ -7,7 +7,7 @@ Qwen3. Importing this imports no torch.
 from __future__ import annotations
 
 from titan.builder.models.spec import require_divides
-from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config
+from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config, check_shape
 from titan.builder.models.deepseek_v3.hf_names import hf_checkpoint
 from titan.builder.models.deepseek_v3.init import init_specs
 from titan.builder.models.moe import buffer_metric, is_expert_param
@@ -45,6 +45,7 @@ SPEC = ModelSpec(
     build=lazy("titan.builder.models.deepseek_v3.model:DeepSeekV3"),
     tp_plan=lazy("titan.builder.models.deepseek_v3.tp_plan:tp_plan"),
     init_specs=init_specs,
+    check_shape=check_shape,
     check_layout=check_layout,
     region_kind=region_kind,
     expert_param=is_expert_param,

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
 
 
@@ -81,8 +82,46 @@ class DeepSeekV3Config:
             scale *= m * m
         return scale
 
+    @property
+    def n_params(self) -> int:
+        """Parameters of the whole model, every routed expert counted."""
+        q = (self.dim * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.n_heads * self.qk_head_dim
+             if self.q_lora_rank else self.dim * self.n_heads * self.qk_head_dim)
+        attention = (q + self.dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+                     + self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+                     + self.n_heads * self.v_head_dim * self.dim + 2 * self.dim)
+        dense = 3 * self.dim * self.dense_hidden
+        moe = (self.n_routed_experts * self.dim
+               + 3 * self.dim * self.moe_hidden * (self.n_routed_experts + self.n_shared_experts))
+        return (2 * self.vocab_size * self.dim + self.dim + self.n_layers * attention
+                + self.n_dense_layers * dense + self.n_moe_layers * moe)
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_shape(cfg: DeepSeekV3Config) -> None:
+    """DeepSeek-V3's rules for its own dimensions (ModelSpec.check_shape)."""
+    require_positive(cfg, ("dim", "n_layers", "n_heads", "vocab_size", "dense_hidden", "moe_hidden",
+                           "n_routed_experts", "top_k", "n_expert_groups", "n_limited_groups", "kv_lora_rank",
+                           "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    if cfg.n_dense_layers > cfg.n_layers:
+        raise ValueError(f"n_dense_layers {cfg.n_dense_layers} is more than n_layers {cfg.n_layers}")
+    if cfg.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim {cfg.qk_rope_head_dim} is odd (RoPE rotates pairs of dimensions)")
+    if cfg.n_routed_experts % cfg.n_expert_groups:
+        raise ValueError(f"n_expert_groups {cfg.n_expert_groups} does not divide n_routed_experts "
+                         f"{cfg.n_routed_experts} (the experts are split into equal groups)")
+    if cfg.n_limited_groups > cfg.n_expert_groups:
+        raise ValueError(f"n_limited_groups {cfg.n_limited_groups} is more than n_expert_groups {cfg.n_expert_groups}")
+    per_group = cfg.n_routed_experts // cfg.n_expert_groups
+    if cfg.n_limited_groups < cfg.n_expert_groups and per_group < 2:
+        raise ValueError(f"group-limited routing scores a group by its two best experts, but each of the "
+                         f"{cfg.n_expert_groups} groups has {per_group}; use fewer groups or n_limited_groups = "
+                         "n_expert_groups")
+    if cfg.top_k > cfg.n_limited_groups * per_group:
+        raise ValueError(f"top_k {cfg.top_k} is more than the {cfg.n_limited_groups * per_group} experts a token "
+                         f"can choose from (n_limited_groups x experts per group)")
 
 
 # Published shapes. `671B` is DeepSeek-V3 (and V3.1/R1) without the multi-token-prediction

@@ -5,7 +5,7 @@ Importing this imports no torch."""
 
 from __future__ import annotations
 
-from titan.builder.models.llama3.config import FLAVORS
+from titan.builder.models.llama3.config import FLAVORS, check_shape
 from titan.builder.models.llama3.hf_checkpoint import hf_checkpoint
 from titan.builder.models.llama3.init import init_specs
 from titan.builder.models.llama3.layout_fit import check_layout
@@ -18,6 +18,7 @@ SPEC = ModelSpec(
     build=lazy("titan.builder.models.llama3.model:Llama3"),
     tp_plan=lazy("titan.builder.models.llama3.tp_plan:tp_plan"),
     init_specs=init_specs,
+    check_shape=check_shape,
     check_layout=check_layout,
     region_kind=region_kind,
     hf_checkpoint=hf_checkpoint,

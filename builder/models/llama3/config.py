@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
 
 
@@ -28,6 +29,9 @@ class LlamaConfig:
     """RMSNorm epsilon."""
     rope_theta: float = 500000.0
     """RoPE base frequency."""
+    ffn_dim: int | None = None
+    """The SwiGLU hidden width, when set (titan-build --ffn-dim); None: derived from dim,
+    ffn_dim_multiplier and multiple_of as Llama 3 does."""
 
     @property
     def head_dim(self) -> int:
@@ -35,13 +39,38 @@ class LlamaConfig:
 
     @property
     def ffn_hidden(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    @property
+    def n_params(self) -> int:
+        """Parameters of the whole model (untied embedding and output)."""
+        kv = self.n_kv_heads * self.head_dim
+        block = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_hidden + 2 * self.dim
+        return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_shape(cfg: LlamaConfig) -> None:
+    """Llama's rules for its own dimensions (ModelSpec.check_shape)."""
+    require_positive(cfg, ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"))
+    if cfg.ffn_dim is not None:
+        require_positive(cfg, ("ffn_dim",))
+    if cfg.dim % cfg.n_heads:
+        raise ValueError(f"dim {cfg.dim} is not a multiple of n_heads {cfg.n_heads} (each head gets dim / n_heads "
+                         "dimensions); pick a width or a head count that divides it")
+    if cfg.head_dim % 2:
+        raise ValueError(f"the head width dim / n_heads = {cfg.head_dim} is odd (RoPE rotates pairs of dimensions); "
+                         "pick dim and n_heads so that it is even")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"n_kv_heads {cfg.n_kv_heads} does not divide n_heads {cfg.n_heads} (grouped-query "
+                         "attention shares each key/value head among n_heads / n_kv_heads query heads)")
 
 
 # Published Llama 3.x shapes. `1B` is Llama 3.2 1B with untied output weights.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
 
 
@@ -72,6 +73,20 @@ class Qwen3Config:
 
 _QWEN3 = dict(vocab_size=151936, head_dim=128)
 _MOE = dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+
+def check_shape(cfg: Qwen3Config) -> None:
+    """Qwen3's rules for its own dimensions (ModelSpec.check_shape)."""
+    require_positive(cfg, ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_hidden"))
+    if cfg.head_dim % 2:
+        raise ValueError(f"head_dim {cfg.head_dim} is odd (RoPE rotates pairs of dimensions); pick an even head width")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"n_kv_heads {cfg.n_kv_heads} does not divide n_heads {cfg.n_heads} (grouped-query "
+                         "attention shares each key/value head among n_heads / n_kv_heads query heads)")
+    if cfg.n_experts:
+        require_positive(cfg, ("top_k", "moe_hidden", "decoder_sparse_step"))
+        if cfg.top_k > cfg.n_experts:
+            raise ValueError(f"top_k {cfg.top_k} is more than the {cfg.n_experts} routed experts; pick top_k <= n_experts")
+
 
 # Published Qwen3 shapes (Hugging Face Qwen/Qwen3-*, config.json). The dense models up to 4B
 # tie their output projection to the embedding. `debug` (dense, tied) and `debug-moe` are
