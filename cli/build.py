@@ -9,48 +9,20 @@ from pathlib import Path
 
 import click
 
+from titan.builder.build_config import BuildConfig
+from titan.cli.config_options import config_options, resolve
 from titan.cli.errors import Command
-from titan.cli.options import POSITIVE, NonEmptyPath
 
 
 @click.command(cls=Command)
-@click.option("--model", default="llama3", show_default=True, help="Model family: llama3 or deepseek_v3.")
-@click.option("--flavor", default=None, help="Model size: debug, 1B, 8B (default), 70B, 405B.")
-@click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (with sequence parallel).")
-@click.option("--dp-shard", default=1, show_default=True, type=POSITIVE, help="FSDP degree.")
-@click.option("--dp-replicate", default=1, show_default=True, type=POSITIVE, help="Replicated data-parallel degree.")
-@click.option("--ep", default=1, show_default=True, type=POSITIVE,
-              help="Expert-parallel degree (mixture-of-experts models): routed experts split over this many ranks, "
-                   "which are data parallel for everything else.")
-@click.option("--batch-size", default=None, type=POSITIVE, help="Sequences per data-parallel rank (default: 2 debug, 1 otherwise).")
-@click.option("--seq-len", default=None, type=click.IntRange(min=2), help="Tokens per sequence (default: 128 debug, 8192 otherwise).")
-@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp32"]), help="Compute dtype: bf16 (default; fp32 for the debug flavor) or fp32. "
-              "Parameters and optimizer state stay fp32.")
-@click.option("--passes", "passes", default=None,
-              help="Graph passes after partitioning, comma-separated, in order ('' for none; default: "
-                   "the numerics-preserving set). --list-passes shows them.")
-@click.option("--ac", default="none", show_default=True, type=click.Choice(["none", "full", "selective"]),
-              help="Activation checkpointing: recompute block activations in the backward (full), or all but "
-                   "matmul/attention outputs (selective).")
-@click.option("--fuse", type=click.Choice(["regions", "blocks"]), default=None, is_flag=False, flag_value="blocks",
-              help="Fused kernels that titan-run generates on its GPU (faster; numerics differ from eager in the last "
-                   "bits): 'blocks' (a bare --fuse): all element-wise and reduction work between matmuls, attention "
-                   "and collectives; 'regions': only within RMSNorm, RoPE, SwiGLU and the loss.")
-@click.option("--list-passes", is_flag=True, help="Describe the available passes and exit.")
-@click.option("--partitioner", default="min_cut", show_default=True, type=click.Choice(["min_cut", "default"]),
-              help="Forward/backward partitioner.")
-@click.option("--out", default=None, type=NonEmptyPath(path_type=Path),
-              help="Output directory (default: artifacts/<name>, the name spelling out every non-default choice).")
-@click.option("--replace", is_flag=True, help="Replace the artifact at --out even if it is of another build.")
-@click.option("--jobs", default=None, type=POSITIVE, help="Ranks traced in parallel (default: CPU count).")
-@click.option("--cache-dir", default=None, type=NonEmptyPath(file_okay=False, path_type=Path),
-              help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
-@click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
-@click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
-              "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
-def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
-         replace, jobs, cache_dir, explain, kernels):
+@config_options(BuildConfig, section="build")
+def main(**values):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
+    cfg = resolve(BuildConfig, values, section="build")
+    model, flavor, passes, jobs, explain = cfg.model, cfg.flavor, cfg.passes, cfg.jobs, cfg.explain
+    out = None if cfg.out is None else Path(cfg.out)
+    cache_dir = None if cfg.cache_dir is None else Path(cfg.cache_dir)
+    list_passes, replace, kernels = cfg.list_passes, cfg.replace, cfg.kernels
     if list_passes:
         from titan.builder.passes import PASSES, default_passes
         defaults = default_passes({"dp_shard": 2})
@@ -66,8 +38,9 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     from titan.runtime import timings
     from titan.cli.build_progress import BuildProgress
 
-    spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
-                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac, fuse=fuse,
+    spec = make_spec(model=model, flavor=flavor, tp=cfg.tp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate,
+                     ep=cfg.ep, batch_size=cfg.batch_size, seq_len=cfg.seq_len, partitioner=cfg.partitioner,
+                     dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p))
     out = out or Path("artifacts") / spec.name
     if not replace:

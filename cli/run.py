@@ -1,127 +1,58 @@
 """titan-run: train from an artifact on every rank.
 
-One run path: the options are parsed once into a RunConfig, and runtime/run_state.py checks them
-against the artifact (and the checkpoint) on every rank, whether titan-run spawned it or torchrun
-did. Without RANK set, titan-run first makes the same checks once, so that a mistake is one line
-before any rank starts, then spawns the artifact's world size of local ranks.
+One run path: the options (each a field of runtime/run_config.py's RunConfig, also settable in
+a --config TOML file) are parsed once into a RunConfig, and runtime/run_state.py checks them
+against the artifact (and the checkpoint) on every rank, whether titan-run spawned it or
+torchrun did. Without RANK set, titan-run first makes the same checks once, so that a mistake
+is one line before any rank starts, then spawns the artifact's world size of local ranks
+(runtime/launch.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import click
 
+from titan.cli.config_options import config_options, resolve
 from titan.cli.errors import Command
-from titan.cli.options import LEARNING_RATE, NON_NEGATIVE, POSITIVE, SEED, TIMEOUT, NonEmptyPath, command_args
-
-if TYPE_CHECKING:
-    from titan.runtime.contract.manifest import Manifest
+from titan.cli.options import NonEmptyPath, command_args
+from titan.runtime.run_config import RunConfig
 
 
 @click.command(cls=Command)
 @click.argument("artifact", type=NonEmptyPath(file_okay=False))
-@click.option("--steps", default=20, show_default=True, type=NON_NEGATIVE,
-              help="Train up to this step (counted from the start, also when resuming); 0 with --checkpoint-dir "
-                   "only checkpoints the initial weights.")
-@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE, help="AdamW learning rate (> 0).")
-@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed for initial weights and synthetic data.")
-@click.option("--batch-size", default=None, type=POSITIVE, help="Must equal the artifact's (it shapes the graphs).")
-@click.option("--seq-len", default=None, type=POSITIVE, help="Must equal the artifact's (it shapes the graphs).")
-@click.option("--data", default=None, type=NonEmptyPath(dir_okay=False),
-              help="Flat token file written by titan-data (default: synthetic tokens).")
-@click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
-              help="Token file element type (default: from its titan-data sidecar, else uint16).")
-@click.option("--metrics", default=None, type=NonEmptyPath(dir_okay=False),
-              help="Write one JSON object per step to this new file (--resume rewrites it from the checkpoint's step).")
-@click.option("--tensorboard", default=None, type=NonEmptyPath(file_okay=False),
-              help="Write TensorBoard scalars (loss, tokens/s, step time, GPU peak memory) into this directory.")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
-@click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
-@click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=TIMEOUT,
-              help="Seconds a rank waits in a collective (or for its peers) before the job fails.")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="On GPU, capture forward + backward in a CUDA graph and replay it.")
-@click.option("--fused-adamw/--no-fused-adamw", default=True, show_default=True,
-              help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
-@click.option("--init-from-hf", default=None, type=NonEmptyPath(file_okay=False),
-              help="Load the initial weights from a Hugging Face Llama directory (config.json + safetensors).")
-@click.option("--checkpoint-dir", default=None, type=NonEmptyPath(file_okay=False),
-              help="Write DCP checkpoints (step-NNNNNNNN/ directories) here, at the last step.")
-@click.option("--checkpoint-every", default=None, type=POSITIVE, help="Also checkpoint every K steps.")
-@click.option("--resume", is_flag=True, help="Continue from the latest complete checkpoint in --checkpoint-dir.")
-@click.option("--resume-with-changes", is_flag=True,
-              help="With --resume: accept a --seed, --data or --lr other than the checkpoint's.")
-def main(artifact, steps, lr, seed, batch_size, seq_len, data, data_dtype, metrics, tensorboard, device, deterministic,
-         timeout_s, cuda_graphs, fused_adamw, init_from_hf, checkpoint_dir, checkpoint_every, resume,
-         resume_with_changes):
+@config_options(RunConfig, section="run")
+def main(artifact, **values):
     """Train from ARTIFACT (a directory written by titan-build)."""
-    if resume_with_changes and not resume:
+    cfg = resolve(RunConfig, values, section="run")
+    if cfg.resume_with_changes and not cfg.resume:
         raise ValueError("--resume-with-changes only applies with --resume")
     launcher = "RANK" not in os.environ  # else one rank: spawned by the launcher below, or by torchrun
     if launcher:
         t0 = time.time()
-        art = _announce(artifact, device)  # the first line, before torch is imported (seconds)
-    from titan.runtime.train import RunConfig
-
-    cfg = RunConfig(steps=steps, lr=lr, seed=seed, batch_size=batch_size, seq_len=seq_len, data=data,
-                    data_dtype=data_dtype, metrics=metrics, tensorboard=tensorboard, device=device,
-                    deterministic=deterministic, cuda_graphs=cuda_graphs, fused_adamw=fused_adamw, timeout_s=timeout_s,
-                    init_from_hf=init_from_hf, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                    resume=resume, resume_with_changes=resume_with_changes)
+        art = _announce(artifact, cfg.device)  # the first line, before torch is imported (seconds)
     if not launcher:
         from titan.runtime.distributed import exit_rank
         from titan.runtime.train import rank_main
         exit_rank(rank_main(artifact, cfg))
-    sys.exit(launch(art, cfg, started=t0))
+    from titan.runtime.launch import launch
+    sys.exit(launch(art, cfg, started=t0, module="titan.cli.run", args=command_args()))
 
 
 def _announce(artifact: str, device: str):
     """Open the artifact and say what titan-run does first (and how long it took last time)."""
     from titan.runtime import timings
     from titan.runtime.artifact import open_artifact
+    from titan.runtime.launch import run_start_key
 
     art = open_artifact(artifact)
     last = timings.last("run-start", run_start_key(art.manifest, device))
     click.echo(f"titan-run {art.root}: checking its files and starting {art.world_size} rank(s)"
                + ("" if last is None else f" (step 1 came {last:.1f} s after start last time)"))
     return art
-
-
-def run_start_key(manifest: Manifest, device: str) -> str:
-    """Names a run's start-up time: the build and the --device asked for."""
-    return f"{manifest.cache_key}-{device}"
-
-
-def launch(art, cfg, *, started: float) -> int:
-    """Check the run once, then spawn its ranks on this host; returns the job's exit code."""
-    from titan.runtime.run_state import RunState
-
-    art.verify_all()
-    record = art.rank_record(0)
-    RunState(cfg, art.manifest, record.params, buffers=record.buffers).close()  # every rank's checks, once
-    if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
-        from titan.runtime.step_log import TENSORBOARD_HINT
-        raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
-    if cfg.device != "cpu":
-        _check_gpus(art.world_size, cfg.device)
-    from titan.runtime.launch import spawn_local
-    os.environ["TITAN_RUN_STARTED"] = repr(started)  # rank 0 records the start-up time from here
-    return spawn_local("titan.cli.run", command_args(), art.world_size)
-
-
-def _check_gpus(world_size: int, device: str) -> None:
-    import torch
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA GPU is visible here; use --device cpu")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count and count < world_size:
-        raise ValueError(f"the artifact has {world_size} ranks but this host has {count} GPU(s); "
-                         "launch with torchrun across hosts, or use --device cpu")
 
 
 if __name__ == "__main__":

@@ -10,28 +10,27 @@ import time
 
 import click
 
+from titan.cli.config_options import config_options, resolve
 from titan.cli.errors import Command
-from titan.cli.options import LEARNING_RATE, POSITIVE, SEED, NonEmptyPath, command_args
+from titan.cli.options import NonEmptyPath, command_args
+from titan.runtime.run_config import RunConfig
+
+
+VERIFY_FIELDS = ("steps", "lr", "warmup_steps", "decay_type", "decay_ratio", "min_lr_factor", "beta1", "beta2", "eps",
+                 "weight_decay", "max_norm", "accumulation_steps", "global_batch_size", "seed", "data", "data_dtype",
+                 "device", "deterministic", "cuda_graphs", "fused_adamw")
+"""The run options that decide what is trained (the rest of titan-run's do not apply)."""
 
 
 @click.command(cls=Command)
 @click.argument("artifact", type=NonEmptyPath(file_okay=False))
-@click.option("--steps", default=10, show_default=True, type=POSITIVE)
-@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE)
-@click.option("--seed", default=0, show_default=True, type=SEED)
-@click.option("--data", default=None, type=NonEmptyPath(dir_okay=False), help="Flat token file (default: synthetic tokens).")
-@click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
-              help="Token file element type (default: from its titan-data sidecar, else uint16).")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
-@click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="On GPU, capture forward + backward in a CUDA graph and replay it.")
-@click.option("--fused-adamw/--no-fused-adamw", default=True, show_default=True,
-              help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
+@config_options(RunConfig, section="run", only=VERIFY_FIELDS, defaults={"steps": 10})
 @click.option("--json", "json_path", default=None, type=NonEmptyPath(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
-def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path):
-    """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
+def main(artifact, json_path, **values):
+    """Train ARTIFACT and the same model eagerly (same layout, seed, data, recipe); exit 1 on any difference."""
+    cfg = resolve(RunConfig, values, section="run")
+    steps, device = cfg.steps, cfg.device
     launcher = "RANK" not in os.environ
     if launcher:  # the first line, before torch is imported (seconds)
         from titan.runtime import timings
@@ -41,11 +40,6 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
         click.echo(f"titan-verify {art.root}: training {steps} step(s) eagerly and from the artifact on "
                    f"{art.world_size} rank(s), then comparing every loss and parameter{timings.expectation('verify', key)}")
         t0 = time.perf_counter()
-    from titan.runtime.train import RunConfig
-
-    cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
-                    deterministic=deterministic, cuda_graphs=cuda_graphs,
-                    fused_adamw=fused_adamw)
     if not launcher:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))

@@ -16,16 +16,58 @@ later races with other jobs and sockets in TIME_WAIT (EADDRINUSE).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from titan.runtime import interrupt
 
+if TYPE_CHECKING:
+    from titan.runtime.artifact import Artifact
+    from titan.runtime.contract.manifest import Manifest
+    from titan.runtime.run_config import RunConfig
+
 PID_KEY = "titan/pid/{rank}"
+STARTED_ENV = "TITAN_RUN_STARTED"
+"""When the launcher started (unix seconds): rank 0 records the run's start-up time from it."""
+
+
+def run_start_key(manifest: Manifest, device: str) -> str:
+    """Names a run's start-up time (runtime/timings.py): the build and the --device asked for."""
+    return f"{manifest.cache_key}-{device}"
+
+
+def launch(art: Artifact, cfg: RunConfig, *, started: float, module: str, args: list[str]) -> int:
+    """Check the run once, then spawn its ranks on this host (`python -m module args`, as
+    torchrun would start them); returns the job's exit code."""
+    from titan.runtime.run_state import RunState
+
+    art.verify_all()
+    record = art.rank_record(0)
+    RunState(cfg, art.manifest, record.params, buffers=record.buffers).close()  # every rank's checks, once
+    if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        from titan.runtime.step_log import TENSORBOARD_HINT
+        raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
+    if cfg.device != "cpu":
+        check_gpus(art.world_size, cfg.device)
+    os.environ[STARTED_ENV] = repr(started)
+    return spawn_local(module, args, art.world_size)
+
+
+def check_gpus(world_size: int, device: str) -> None:
+    """Refuse a job this host's GPUs cannot hold, before any rank starts."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible here; use --device cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and count < world_size:
+        raise ValueError(f"the artifact has {world_size} ranks but this host has {count} GPU(s); "
+                         "launch with torchrun across hosts, or use --device cpu")
 
 
 def _rank_gpus(world_size: int) -> list[str] | None:

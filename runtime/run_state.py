@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
     from titan.runtime.contract.rank_record import BufferSpec
     from titan.runtime.optim import AdamW
-    from titan.runtime.train import RunConfig
+    from titan.runtime.run_config import RunConfig
 
 
 def _whole(buffer: BufferSpec) -> ParamSpec:

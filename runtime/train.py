@@ -7,7 +7,6 @@ import datetime
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,52 +22,9 @@ from titan.runtime.init import materialize
 from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
+from titan.runtime.run_config import RunConfig
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, check_graphs
-
-
-@dataclass(kw_only=True, slots=True)
-class RunConfig:
-    steps: int = 20
-    """Optimizer steps to run."""
-    lr: float = 8e-4
-    """AdamW learning rate."""
-    seed: int = 0
-    """Seed for parameter init and synthetic data."""
-    batch_size: int | None = None
-    """Sequences per data-parallel rank as the user gave it: must equal the artifact's (None: unchecked)."""
-    seq_len: int | None = None
-    """Tokens per sequence as the user gave it: must equal the artifact's (None: unchecked)."""
-    data: str | None = None
-    """Flat token file; synthetic tokens when None."""
-    data_dtype: str | None = None
-    """Element type of the token file; None: from its sidecar (titan-data), else uint16."""
-    metrics: str | None = None
-    """Write one JSON object per step here (rank 0)."""
-    tensorboard: str | None = None
-    """Write TensorBoard scalars per step into this directory (rank 0)."""
-    device: str = "auto"
-    """auto, cpu or cuda."""
-    quiet: bool = False
-    """Print no step lines."""
-    cuda_graphs: bool = True
-    """On GPU, capture forward + backward once and replay it (no effect on CPU)."""
-    fused_adamw: bool = True
-    """On GPU, update each parameter with one AdamW kernel (bitwise the op-by-op update)."""
-    timeout_s: float = 300.0
-    """Longest wait in a collective or for peers to join before the rank fails."""
-    deterministic: bool = False
-    """Use deterministic kernels only (GPU runs are otherwise free to pick faster, racy ones)."""
-    init_from_hf: str | None = None
-    """Hugging Face Llama directory to load the initial weights from (instead of the seeded init)."""
-    checkpoint_dir: str | None = None
-    """Write DCP checkpoints here (at the last step, and every checkpoint_every steps)."""
-    checkpoint_every: int | None = None
-    """Also checkpoint every this many steps."""
-    resume: bool = False
-    """Continue from the latest complete checkpoint in checkpoint_dir."""
-    resume_with_changes: bool = False
-    """On resume, accept a seed, data file or learning rate other than the checkpoint's."""
 
 
 # AdamW hyperparameters as torchtitan sets them; the eager reference uses the same.
@@ -203,10 +159,10 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
              on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Train this rank; `on_step(step)` (if given) runs after each step's bookkeeping."""
     from titan.runtime import timings
-    from titan.runtime.launch import register_rank
+    from titan.runtime.launch import STARTED_ENV, register_rank, run_start_key
     from titan.runtime.run_state import RunState
 
-    started = float(os.environ.get("TITAN_RUN_STARTED", time.time()))
+    started = float(os.environ.get(STARTED_ENV, time.time()))
     artifact = open_artifact(artifact_path)
     if env.world_size != artifact.world_size:
         raise ArtifactError(f"{artifact_path} was built for world size {artifact.world_size}, but this job has "
@@ -231,7 +187,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     mesh = layout.build_mesh(device.type)
     m = artifact.manifest
     key = f"{m.cache_key}-{device.type}"
-    run_key = f"{m.cache_key}-{cfg.device}"  # as cli/run.py's run_start_key names it
+    run_key = run_start_key(m, cfg.device)
     compiles = any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in m.passes)
     if compiles:
         where = "the artifact, then the kernel store" if m.kernels else "the kernel store"

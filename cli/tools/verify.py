@@ -14,8 +14,8 @@ from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.runtime.artifact import open_artifact
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.distributed import RankEnv, init_process_group, pick_device
-from titan.runtime.train import (ADAMW, GraphProgram, RunConfig, make_data, make_optimizer, step_function,
-                                 train_loop)
+from titan.runtime.run_config import RunConfig
+from titan.runtime.train import ADAMW, GraphProgram, make_data, make_optimizer, step_function, train_loop
 
 
 def eager_config(manifest: Manifest) -> tuple[ModelSpec, ModelConfig]:
