@@ -59,24 +59,34 @@ def _rank(artifact: str, cfg, json_path: str | None) -> int:
 
 
 def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
+    import torch
+
     from titan.cli.tools.verify import all_ranks_equal, verify_rank
-    eager, graph, device, differ, n_params = verify_rank(artifact, cfg, env)
-    losses_equal, differ = all_ranks_equal(eager, graph, device, differ)
-    equal = losses_equal and differ == 0
+    verdict = verify_rank(artifact, cfg, env)
+    steps_equal, differ = all_ranks_equal(verdict)
+    equal = steps_equal and differ == 0
+    eager, graph = verdict.eager, verdict.artifact
     if env.rank == 0:
         if json_path:
             with open(json_path, "w") as f:
-                json.dump({"eager": [x.item().hex() for x in eager], "artifact": [x.item().hex() for x in graph],
+                json.dump({"eager": [x.item().hex() for x in eager.losses],
+                           "artifact": [x.item().hex() for x in graph.losses],
+                           "eager_grad_norm": [x.item().hex() for x in eager.grad_norms],
+                           "artifact_grad_norm": [x.item().hex() for x in graph.grad_norms],
                            "parameters_differing": differ, "bitwise_equal": equal}, f)
-        print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  same")
-        for i, (a, b) in enumerate(zip(eager, graph), 1):
-            print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {'yes' if bool((a == b).all()) else 'NO'}")
-        print(f"parameters after step {len(graph)}: " + ("all bitwise equal" if differ == 0 else
-              f"{differ} tensors differ") + f" ({n_params} tensors per rank, {env.world_size} ranks)")
+        print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  {'eager grad norm':>22}  "
+              f"{'artifact grad norm':>22}  same")
+        for i, (a, b, na, nb) in enumerate(zip(eager.losses, graph.losses, eager.grad_norms, graph.grad_norms), 1):
+            same = torch.equal(a, b) and torch.equal(na, nb)
+            print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {na.item():>22.17g}  {nb.item():>22.17g}  "
+                  f"{'yes' if same else 'NO'}")
+        print(f"parameters after step {len(graph.losses)}: " + ("all bitwise equal" if differ == 0 else
+              f"{differ} tensors differ") + f" ({verdict.params} tensors per rank, {env.world_size} ranks)")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
         changing = _numerics_changing_passes(artifact)
         if changing and not equal:
-            worst = max(abs(a.item() - b.item()) / max(abs(a.item()), 1e-30) for a, b in zip(eager, graph))
+            worst = max(abs(a.item() - b.item()) / max(abs(a.item()), 1e-30)
+                        for a, b in zip(eager.losses, graph.losses))
             print(f"note: built with passes that change numerics ({', '.join(changing)}); largest relative loss "
                   f"difference {worst:.2e}", flush=True)
     return 0 if equal else 1

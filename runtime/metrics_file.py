@@ -1,5 +1,6 @@
-"""Reading a titan-run --metrics file (written by step_log.py): one JSON object per step,
-with step, loss, tokens_per_s, step_time_s, time and, on GPU, peak_mem_gib."""
+"""Reading a titan-run --metrics file (written by step_log.py): a header line with the run's
+config, then one JSON object per step, with step, loss, lr, grad_norm, tokens_per_s,
+step_time_s, time and, on GPU, peak_mem_gib."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def read_metrics(path: str | Path) -> list[dict]:
             check_depth(rec, 8, f"{path}: line {number}")
         except (ValueError, RecursionError):
             raise ValueError(f"{path}: line {number} is not JSON; is this a titan-run --metrics file?") from None
+        if isinstance(rec, dict) and "config" in rec and "step" not in rec:
+            continue  # the header: the run's configuration
         missing = [k for k in REQUIRED if not isinstance(rec, dict) or not isinstance(rec.get(k), (int, float))]
         if missing:
             raise ValueError(f"{path}: line {number} lacks {', '.join(missing)} (numbers); "

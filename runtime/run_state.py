@@ -20,6 +20,7 @@ from titan.runtime.data import check_token_file
 from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.init import materialize
+from titan.runtime.recipe import Recipe
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
@@ -75,8 +76,10 @@ class RunState:
                              "the initial weights")
         if cfg.checkpoint_every is not None and cfg.checkpoint_dir is None:
             raise ValueError("--checkpoint-every needs --checkpoint-dir DIR (where to write the checkpoints)")
+        self.recipe = Recipe.for_run(cfg, manifest)
         if cfg.data is not None:
-            self.notes += check_token_file(cfg.data, dtype=cfg.data_dtype, manifest=manifest, steps=cfg.steps)
+            self.notes += check_token_file(cfg.data, dtype=cfg.data_dtype, manifest=manifest,
+                                           steps=cfg.steps * self.recipe.micro_batches)
         if cfg.resume:
             if cfg.init_from_hf is not None:
                 raise ValueError("--resume continues from a titan checkpoint, --init-from-hf starts from a Hugging "
@@ -114,7 +117,8 @@ class RunState:
         compared on --resume. The artifact's choices (layout, batch shape, dtype) may change on a
         resume: checkpoints reshard exactly, and picking another artifact is deliberate."""
         cfg = self.cfg
-        return {"--seed": cfg.seed, "--data": None if cfg.data is None else os.path.abspath(cfg.data), "--lr": cfg.lr}
+        return {"--seed": cfg.seed, "--data": None if cfg.data is None else os.path.abspath(cfg.data), "--lr": cfg.lr,
+                **{f"recipe {k}": v for k, v in self.recipe.settings().items()}}
 
     def _changed_settings(self) -> list[str]:
         recorded = self.resumed.get("settings")
@@ -172,7 +176,8 @@ class RunState:
                 "layout": m.layout.as_dict(), "world_size": m.world_size, "dtype": m.dtype,
                 "batch_size": m.batch_size, "seq_len": m.seq_len, "seed": cfg.seed, "data": cfg.data,
                 "lr": cfg.lr, "torch_version": m.torch_version, "hf_config": hf_config,
-                RECORD: None if m.hf_checkpoint is None else m.hf_checkpoint.to_json(), "settings": self._settings()}
+                RECORD: None if m.hf_checkpoint is None else m.hf_checkpoint.to_json(), "settings": self._settings(),
+                "config": cfg.as_dict()}
 
     def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW, *,
                    buffers: dict[str, torch.Tensor] | None = None) -> Path | None:

@@ -16,30 +16,38 @@ from titan.runtime.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.buffer_state import BufferState
 from titan.runtime.data import SyntheticTokens, TokenFile
 from titan.runtime.fusion import compile_program_regions
-from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
+from titan.runtime.distributed import RankEnv, init_process_group, pick_device, shutdown
 from titan.runtime.contract.graph_decode import load_graph, region_kinds
 from titan.runtime.init import materialize
 from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
+from titan.runtime.grad_clip import GlobalNormClip
+from titan.runtime.recipe import Recipe
 from titan.runtime.run_config import RunConfig
+from titan.runtime.train_loop import StepResults, train_loop
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, check_graphs
 
 
-# AdamW hyperparameters as torchtitan sets them; the eager reference uses the same.
-ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def make_optimizer(params: list[torch.Tensor], lr: float, device: torch.device | None = None, *,
+def make_optimizer(params: list[torch.Tensor], recipe: Recipe, device: torch.device | None = None, *,
                    fused: bool = True) -> AdamW:
-    """AdamW over `params`: on a GPU (with triton) one kernel per parameter, elsewhere op by op;
-    both round exactly as torch.optim.AdamW(foreach=False) does."""
+    """AdamW over `params` with the recipe's hyperparameters and LR schedule: on a GPU (with
+    triton) one kernel per parameter, elsewhere op by op; both round exactly as
+    torch.optim.AdamW(foreach=False) does."""
+    kw = dict(lr=recipe.schedule.lr, schedule=recipe.schedule, **recipe.adamw)
     if fused and device is not None and device.type == "cuda":
         from titan.runtime.fused_adamw import FusedAdamW, fused_adamw_available
         if fused_adamw_available(params):
-            return FusedAdamW(params, lr=lr, **ADAMW)
-    return AdamW(params, lr=lr, **ADAMW)
+            return FusedAdamW(params, **kw)
+    return AdamW(params, **kw)
+
+
+def grad_norm_function(program: GraphProgram, recipe: Recipe, mesh) -> Callable[[], torch.Tensor]:
+    """The global gradient norm of the program's parameters (clipping them to the recipe's
+    max_norm), computed on the device (runtime/grad_clip.py)."""
+    clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm)
+    return lambda: clip([p.grad for p in program.params])
 
 
 def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int]):
@@ -57,8 +65,11 @@ class GraphProgram:
     coordinates), this rank's parameter shards and the model's buffers (runtime/buffer_state.py)."""
 
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
+                 micro_batches: int = 1,
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None,
                  load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None):
+        """`micro_batches`: how many micro-batches make an optimizer step (each one's loss and
+        gradients are divided by it: runtime/recipe.py)."""
         record = artifact.rank_record(rank)
         entry = artifact.rank_entry(rank)
         regions = region_kinds(artifact.manifest.passes)  # fusion regions only if the build made them
@@ -73,13 +84,17 @@ class GraphProgram:
         self.fusion = compile_program_regions(self.forward, self.backward, device, artifact=artifact)
         self.inputs = record.forward_inputs
         load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
+        self.specs = record.params
         self.params = [load_param(p) for p in record.params]
+        self.micro_batches = micro_batches
         self.buffers = BufferState(record, device=device, load=load_buffer)
         self.coords = record.coords
 
     @torch.no_grad()
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """This rank's loss and the gradient of each parameter (in self.params order)."""
+        """This rank's loss and the gradient of each parameter (in self.params order), both of
+        the micro-batch's share of the step: divided by the number of micro-batches, as autograd
+        divides the seed of `(loss / n).backward()`."""
         params = iter(self.params)
         args = []
         for inp in self.inputs:
@@ -90,56 +105,37 @@ class GraphProgram:
         n_updates = len(self.buffers.mutated)
         updates, loss, saved = outputs[:n_updates], outputs[n_updates], outputs[n_updates + 1:]
         del outputs
-        grads = self.backward(*saved, torch.ones_like(loss))
+        seed = torch.ones_like(loss)
+        if self.micro_batches > 1:
+            seed, loss = seed / self.micro_batches, loss / self.micro_batches
+        grads = self.backward(*saved, seed)
         del saved
         self.buffers.copy_back(updates)  # after the backward: it may recompute from the old values
         return loss, [g for inp, g in zip(self.inputs, grads) if inp.kind == "param"]
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward + backward; sets .grad on each parameter; returns this rank's loss."""
+        """Forward + backward of one micro-batch; sets (first micro-batch) or adds to .grad of
+        each parameter; returns this rank's loss (its share of the step's)."""
         loss, grads = self.forward_backward(tokens, labels)
-        for p, g in zip(self.params, grads):
-            p.grad = g
+        accumulate_grads(self.params, grads)
         return loss
 
 
-def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
-               data, *, steps: int, device: torch.device, mesh, tokens_per_step: int,
-               log: Callable[[dict], None] | None, start: int = 0,
-               after_step: Callable[[int], None] | None = None,
-               step_metrics: Callable[[], dict] | None = None) -> list[torch.Tensor]:
-    """Run optimizer steps start+1 .. steps; returns each step's loss summed over data-parallel
-    ranks. `after_step(step)` runs after each (checkpointing); `step_metrics()` adds to the
-    logged record (read after the step, e.g. the expert load from the model's buffers)."""
-    losses = []
-    for step in range(start + 1, steps + 1):
-        tokens, labels = data.batch(step - 1)
-        tokens, labels = tokens.to(device), labels.to(device)
-        t0 = time.perf_counter()
-        local = step_fn(tokens, labels)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = dp_sum(local, mesh).cpu()
-        dt = time.perf_counter() - t0
-        losses.append(loss)
-        if log is not None:
-            record = {"step": step, "loss": loss.item(), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                      "time": time.time()}
-            if device.type == "cuda":
-                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            if step_metrics is not None:
-                record.update(step_metrics())
-            log(record)
-        if after_step is not None:
-            after_step(step)
-    return losses
+def accumulate_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Set each parameter's .grad to its gradient, or add to it (a later micro-batch): the sum
+    autograd's AccumulateGrad makes, in the same order."""
+    for p, g in zip(params, grads):
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
 
 
 def _step_logger(cfg: RunConfig, is_rank0: bool, total: int, start: int):
     if not is_rank0:
         return None
     return StepLog(total=total, metrics=cfg.metrics, tensorboard=cfg.tensorboard, show=not cfg.quiet,
-                   resume_after=start if cfg.resume else None)
+                   resume_after=start if cfg.resume else None, config=cfg.as_dict())
 
 
 def _say(env: RankEnv, cfg: RunConfig, log: StepLog | None, text: str) -> None:
@@ -156,7 +152,7 @@ COMPILED_ON_ANY_DEVICE = ("fuse_regions", "fuse_blocks")
 
 
 def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
-             on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+             on_step: Callable[[int], None] | None = None) -> StepResults:
     """Train this rank; `on_step(step)` (if given) runs after each step's bookkeeping."""
     from titan.runtime import timings
     from titan.runtime.launch import STARTED_ENV, register_rank, run_start_key
@@ -194,14 +190,15 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         _say(env, cfg, None, f"loading this artifact's kernels from {where}, compiling the ones it "
                              f"lacks{timings.expectation('fusion', key) or ' (the first run on a device compiles all)'}")
     t_load = time.perf_counter()
+    recipe = run_state.recipe
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
-                           load_param=run_state.load_param,
+                           micro_batches=recipe.micro_batches, load_param=run_state.load_param,
                            load_buffer=run_state.load_buffer)
     if compiles and env.rank == 0:
         timings.record("fusion", key, time.perf_counter() - t_load)
     if program.fusion is not None:
         _say(env, cfg, None, program.fusion.line())
-    optimizer = make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw)
+    optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
     start = run_state.restore(program.params, optimizer, buffers=program.buffers.tensors)
     log = _step_logger(cfg, env.rank == 0, cfg.steps, start)
 
@@ -226,6 +223,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     with step_function(program, cfg, device) as step:
         return train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
                           tokens_per_step=tokens_per_step, log=log, start=start, after_step=after_step,
+                          micro_batches=recipe.micro_batches, grad_norm=grad_norm_function(program, recipe, mesh),
                           step_metrics=program.buffers.metrics if len(program.buffers) else None)
 
 

@@ -29,6 +29,7 @@ import torch
 from titan.runtime import checkpoint
 from titan.runtime.artifact import open_artifact
 from titan.runtime.distributed import RankEnv, exit_rank, init_process_group, shutdown
+from titan.runtime.recipe import Recipe
 from titan.runtime.train import make_optimizer
 
 env = RankEnv.from_environ()
@@ -36,7 +37,7 @@ init_process_group(env, torch.device("cpu"))
 art = open_artifact(sys.argv[1])
 params = art.rank_record(env.rank).params
 tensors = [torch.full(p.local_shape, float("nan")) for p in params]
-optimizer = make_optimizer(tensors, 0.0)
+optimizer = make_optimizer(tensors, Recipe.constant(0.0))
 for buf in optimizer.exp_avg + optimizer.exp_avg_sq:
     buf.fill_(float("nan"))
 state = checkpoint.load(Path(sys.argv[2]), params=params, tensors=tensors, optimizer=optimizer)
@@ -250,13 +251,14 @@ def test_only_real_rows_of_padded_shards_are_checkpointed():
     """A padded shard saves and loads its real rows (a view of the live tensor); a trailing
     part with no real rows has nothing to checkpoint."""
     from titan.runtime.checkpoint import dcp_state
+    from titan.runtime.recipe import Recipe
     from titan.runtime.train import make_optimizer
 
     params = [param_spec("a", [64, 32], [[0, 3, 2]]),    # rows 44..63 of a 22-row chunk
               param_spec("b", [64, 32], [[0, 48, 47]]),  # past the last row: empty
               param_spec("c", [64, 32], [[0, 2, 1]])]    # even: the whole tensor
     tensors = [torch.zeros(22, 32), torch.zeros(2, 32), torch.zeros(32, 32)]
-    state, boxes = dcp_state(params, tensors, make_optimizer(tensors, 0.0))
+    state, boxes = dcp_state(params, tensors, make_optimizer(tensors, Recipe.constant(0.0)))
     assert sorted(state) == sorted(f"{family}.{fqn}" for family in FAMILIES for fqn in "ac")
     assert boxes["model.a"] == ([44, 0], [20, 32], [64, 32]) and boxes["model.c"] == ([32, 0], [32, 32], [64, 32])
     state["model.a"].fill_(1.0)  # what a load does to it
