@@ -72,7 +72,16 @@ class Recipe:
                       adamw=adamw_options(RunConfig()), max_norm=None, micro_batches=1)
 
     def settings(self) -> dict:
-        """What decides the losses beyond seed and data: recorded in checkpoints, compared on resume."""
-        return {"schedule": self.schedule.as_dict(), "adamw": {k: list(v) if isinstance(v, tuple) else v
-                                                                for k, v in self.adamw.items()},
-                "max_norm": self.max_norm, "micro_batches": self.micro_batches}
+        """What decides the losses beyond seed, data and --lr, by the flag that sets it: recorded
+        in checkpoints, compared on resume (runtime/run_state.py)."""
+        shape = self.schedule.as_dict()
+        named = {"--warmup-steps": shape["warmup_steps"], "--decay-type": shape["decay_type"]}
+        if "decay_steps" in shape:  # a decaying schedule also depends on --steps and --decay-ratio
+            named.update({"--min-lr-factor": shape["min_lr_factor"],
+                          "decay steps (--steps, --decay-ratio)": shape["decay_steps"],
+                          "stable steps (--steps, --decay-ratio)": shape["stable_steps"]})
+        betas = self.adamw["betas"]
+        named.update({"--beta1": betas[0], "--beta2": betas[1], "--eps": self.adamw["eps"],
+                      "--weight-decay": self.adamw["weight_decay"], "--max-norm": self.max_norm,
+                      "micro-batches per step (--accumulation-steps, --global-batch-size)": self.micro_batches})
+        return named

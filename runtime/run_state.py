@@ -118,7 +118,7 @@ class RunState:
         resume: checkpoints reshard exactly, and picking another artifact is deliberate."""
         cfg = self.cfg
         return {"--seed": cfg.seed, "--data": None if cfg.data is None else os.path.abspath(cfg.data), "--lr": cfg.lr,
-                **{f"recipe {k}": v for k, v in self.recipe.settings().items()}}
+                **self.recipe.settings()}
 
     def _changed_settings(self) -> list[str]:
         recorded = self.resumed.get("settings")

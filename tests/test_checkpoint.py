@@ -64,7 +64,7 @@ def _run(art, *args):
 def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_metrics_file(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
     whole, metrics, ckpt = (tmp_path / n for n in ("whole.jsonl", "metrics.jsonl", "ckpt"))
-    # Ctrl-C a long run just past its checkpoint at step 10, so that its metrics go beyond it
+    # Ctrl-C a long run just past its checkpoint at step 10 (the metrics' header + 11 steps), so that its metrics go beyond it
     # (the next checkpoint is steps away, however late the signal lands on a loaded machine).
     p = subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(art), "--steps", "100000", "--checkpoint-dir",
                           str(ckpt), "--checkpoint-every", "10", "--metrics", str(metrics)],
@@ -72,7 +72,7 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_metrics_fil
                          preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 11):
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 12):
             time.sleep(0.02)
         os.killpg(p.pid, signal.SIGINT)
         assert p.wait(timeout=60) == 130
