@@ -17,7 +17,8 @@ from titan.runtime.run_config import RunConfig
 
 
 VERIFY_FIELDS = ("steps", "lr", "warmup_steps", "decay_type", "decay_ratio", "min_lr_factor", "beta1", "beta2", "eps",
-                 "weight_decay", "max_norm", "accumulation_steps", "global_batch_size", "seed", "data", "data_dtype",
+                 "weight_decay", "max_norm", "accumulation_steps", "global_batch_size", "val_data", "val_every",
+                 "val_steps", "seed", "data", "data_dtype",
                  "device", "deterministic", "cuda_graphs", "fused_adamw")
 """The run options that decide what is trained (the rest of titan-run's do not apply)."""
 
@@ -73,6 +74,8 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
                            "artifact": [x.item().hex() for x in graph.losses],
                            "eager_grad_norm": [x.item().hex() for x in eager.grad_norms],
                            "artifact_grad_norm": [x.item().hex() for x in graph.grad_norms],
+                           "eager_val_loss": [[s, x.item().hex()] for s, x in eager.val_losses],
+                           "artifact_val_loss": [[s, x.item().hex()] for s, x in graph.val_losses],
                            "parameters_differing": differ, "bitwise_equal": equal}, f)
         print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  {'eager grad norm':>22}  "
               f"{'artifact grad norm':>22}  same")
@@ -80,6 +83,9 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
             same = torch.equal(a, b) and torch.equal(na, nb)
             print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {na.item():>22.17g}  {nb.item():>22.17g}  "
                   f"{'yes' if same else 'NO'}")
+        for (s, a), (_, b) in zip(eager.val_losses, graph.val_losses):
+            print(f"validation after step {s}: eager {a.item():.17g}, artifact {b.item():.17g}, "
+                  f"{'same' if torch.equal(a, b) else 'DIFFERENT'}")
         print(f"parameters after step {len(graph.losses)}: " + ("all bitwise equal" if differ == 0 else
               f"{differ} tensors differ") + f" ({verdict.params} tensors per rank, {env.world_size} ranks)")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)

@@ -41,6 +41,12 @@ class RunConfig:
     """Micro-batches per optimizer step; the loss is the mean over all of their tokens."""
     global_batch_size: int | None = setting(None, check="positive")
     """Sequences per optimizer step over all ranks: the artifact's batch size x data-parallel degree x accumulation steps (sets those steps)."""
+    val_data: str | None = setting(None, check="file")
+    """Token file (titan-data) of held-out sequences: report their mean loss (val_loss), forward only."""
+    val_every: int | None = setting(None, check="positive")
+    """Validate every K optimizer steps (default: at the last step only)."""
+    val_steps: int = setting(1, check="positive")
+    """Batches of --val-data per validation (the same ones each time)."""
     seed: int = setting(0, check="seed")
     """Seed for initial weights and synthetic data."""
     batch_size: int | None = setting(None, check="positive")

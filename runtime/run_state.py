@@ -77,6 +77,10 @@ class RunState:
         if cfg.checkpoint_every is not None and cfg.checkpoint_dir is None:
             raise ValueError("--checkpoint-every needs --checkpoint-dir DIR (where to write the checkpoints)")
         self.recipe = Recipe.for_run(cfg, manifest)
+        if cfg.val_data is None and (cfg.val_every is not None or cfg.val_steps != 1):
+            raise ValueError("--val-every / --val-steps need --val-data FILE (a titan-data token file of held-out text)")
+        if cfg.val_data is not None:
+            self.notes += check_token_file(cfg.val_data, dtype=cfg.data_dtype, manifest=manifest, steps=cfg.val_steps)
         if cfg.data is not None:
             self.notes += check_token_file(cfg.data, dtype=cfg.data_dtype, manifest=manifest,
                                            steps=cfg.steps * self.recipe.micro_batches)

@@ -25,7 +25,7 @@ from titan.runtime.optim import AdamW
 from titan.runtime.grad_clip import GlobalNormClip
 from titan.runtime.recipe import Recipe
 from titan.runtime.run_config import RunConfig
-from titan.runtime.train_loop import StepResults, train_loop
+from titan.runtime.train_loop import StepResults, Validation, train_loop
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, check_graphs
 
@@ -50,14 +50,24 @@ def grad_norm_function(program: GraphProgram, recipe: Recipe, mesh) -> Callable[
     return lambda: clip([p.grad for p in program.params])
 
 
-def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int]):
+def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int], *, validation: bool = False):
+    """This rank's slice of the training data (or of --val-data)."""
     layout = manifest.layout
     dp_rank = layout.dp_rank(coords)
     common = dict(vocab_size=manifest.vocab_size, batch_size=manifest.batch_size, seq_len=manifest.seq_len)
-    if cfg.data is None:
+    path = cfg.val_data if validation else cfg.data
+    if path is None:
         return SyntheticTokens(seed=cfg.seed, dp_rank=dp_rank, **common)
-    return TokenFile(cfg.data, dtype=cfg.data_dtype, dp_rank=dp_rank,
-                     dp_degree=layout.dp_degree, **common)
+    return TokenFile(path, dtype=cfg.data_dtype, dp_rank=dp_rank, dp_degree=layout.dp_degree, **common)
+
+
+def make_validation(forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], manifest: Manifest,
+                    cfg: RunConfig, coords: dict[str, int], *, device: torch.device, mesh) -> Validation | None:
+    """The run's validation (None without --val-data)."""
+    if cfg.val_data is None:
+        return None
+    return Validation(forward_loss, make_data(manifest, cfg, coords, validation=True), steps=cfg.val_steps,
+                      every=cfg.val_every, device=device, mesh=mesh)
 
 
 class GraphProgram:
@@ -90,18 +100,24 @@ class GraphProgram:
         self.buffers = BufferState(record, device=device, load=load_buffer)
         self.coords = record.coords
 
+    def _forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        params = iter(self.params)
+        return [next(params) if inp.kind == "param" else self.buffers.tensors[inp.fqn] if inp.kind == "buffer"
+                else tokens if inp.kind == "tokens" else labels for inp in self.inputs]
+
+    @torch.no_grad()
+    def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's loss of a held-out batch: the forward graph alone, its buffer updates
+        (a MoE's load and bias) dropped, so training goes on as if it had not run."""
+        outputs = self.forward(*self._forward_args(tokens, labels))
+        return outputs[len(self.buffers.mutated)]
+
     @torch.no_grad()
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's loss and the gradient of each parameter (in self.params order), both of
         the micro-batch's share of the step: divided by the number of micro-batches, as autograd
         divides the seed of `(loss / n).backward()`."""
-        params = iter(self.params)
-        args = []
-        for inp in self.inputs:
-            kind = inp.kind
-            args.append(next(params) if kind == "param" else self.buffers.tensors[inp.fqn] if kind == "buffer"
-                        else tokens if kind == "tokens" else labels)
-        outputs = self.forward(*args)
+        outputs = self.forward(*self._forward_args(tokens, labels))
         n_updates = len(self.buffers.mutated)
         updates, loss, saved = outputs[:n_updates], outputs[n_updates], outputs[n_updates + 1:]
         del outputs
@@ -224,6 +240,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         return train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
                           tokens_per_step=tokens_per_step, log=log, start=start, after_step=after_step,
                           micro_batches=recipe.micro_batches, grad_norm=grad_norm_function(program, recipe, mesh),
+                          validation=make_validation(program.forward_loss, m, cfg, program.coords, device=device,
+                                                     mesh=mesh),
                           step_metrics=program.buffers.metrics if len(program.buffers) else None)
 
 

@@ -26,17 +26,45 @@ class StepResults:
     token loss) and the global gradient norm before clipping (None without a norm function)."""
     losses: list[torch.Tensor] = field(default_factory=list)
     grad_norms: list[torch.Tensor | None] = field(default_factory=list)
+    val_losses: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(step, validation loss) after each step that validated."""
+
+
+@dataclass
+class Validation:
+    """Held-out loss: the mean over `steps` batches of `data` (the same ones every time) of the
+    loss summed over data-parallel ranks, each from `forward_loss` (forward only), after every
+    `every` optimizer steps and the last."""
+    forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    data: object
+    steps: int
+    every: int | None
+    device: torch.device
+    mesh: object
+
+    def due(self, step: int, last: int) -> bool:
+        return step == last or (self.every is not None and step % self.every == 0)
+
+    def __call__(self) -> torch.Tensor:
+        total = None
+        for k in range(self.steps):
+            tokens, labels = self.data.batch(k)
+            loss = dp_sum(self.forward_loss(tokens.to(self.device), labels.to(self.device)), self.mesh)
+            total = loss if total is None else total + loss
+        return (total / self.steps).cpu()
 
 
 def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
                data, *, steps: int, device: torch.device, mesh, tokens_per_step: int,
                log: Callable[[dict], None] | None, start: int = 0, micro_batches: int = 1,
                grad_norm: Callable[[], torch.Tensor] | None = None, scheduler=None,
+               validation: Validation | None = None,
                after_step: Callable[[int], None] | None = None,
                step_metrics: Callable[[], dict] | None = None) -> StepResults:
     """Run optimizer steps start+1 .. steps. Step s reads micro-batches (s-1)*n .. s*n-1 of
     `data`. `grad_norm()` measures (and clips) the summed gradients before the optimizer step;
-    `scheduler` (the eager reference's LambdaLR) steps after it; `after_step(step)` runs after
+    `scheduler` (the eager reference's LambdaLR) steps after it; `validation` runs when due
+    (its time is not in the step's); `after_step(step)` runs after
     each (checkpointing); `step_metrics()` adds to the logged record (read after the step,
     e.g. the expert load from the model's buffers)."""
     results = StepResults()
@@ -59,11 +87,17 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
         dt = time.perf_counter() - t0
         results.losses.append(loss)
         results.grad_norms.append(norm)
+        val = None
+        if validation is not None and validation.due(step, steps):
+            val = validation()
+            results.val_losses.append((step, val))
         if log is not None:
             record = {"step": step, "loss": loss.item(), "lr": optimizer.lr,
                       "tokens_per_s": tokens_per_step * micro_batches / dt, "step_time_s": dt, "time": time.time()}
             if norm is not None:
                 record["grad_norm"] = norm.item()
+            if val is not None:
+                record["val_loss"] = val.item()
             if device.type == "cuda":
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if step_metrics is not None:

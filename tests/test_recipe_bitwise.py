@@ -11,7 +11,9 @@ import shutil
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from conftest import read_metrics, titan
 
@@ -110,3 +112,20 @@ def test_resume_mid_warmup_with_odd_accumulation_equals_the_uninterrupted_run(de
     resumed = _run(art, metrics, *recipe, "--checkpoint-dir", ckpt, "--resume")
     keys = ("step", "loss", "lr", "grad_norm")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole]
+
+
+@pytest.mark.slow
+def test_validation_loss_equals_eager_forward_and_leaves_training_alone(deepseek_ep2, tmp_path):
+    """Held-out loss every 2 steps on DeepSeek-V3 ep 2 (whose forward updates the balancing
+    bias: validation must not), bitwise eager's forward loss; the training losses are those of
+    a run without validation."""
+    val = tmp_path / "val.u16"
+    val.write_bytes(torch.randint(0, 512, (20 * 65 + 1,), generator=torch.Generator().manual_seed(9))
+                    .numpy().astype(np.uint16).tobytes())
+    recipe = ("--steps", STEPS, "--accumulation-steps", 2, "--max-norm", "1.0")
+    result = _verify(deepseek_ep2, tmp_path, *recipe, "--val-data", val, "--val-every", 2, "--val-steps", 2,
+                     ranks=2, params=47)
+    assert [s for s, _ in result["artifact_val_loss"]] == [2, 4]
+    assert result["artifact_val_loss"] == result["eager_val_loss"]
+    without = _run(deepseek_ep2, tmp_path / "plain.jsonl", *recipe)
+    assert [r["loss"] for r in without] == [float.fromhex(h) for h in result["artifact"]]

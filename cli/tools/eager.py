@@ -8,6 +8,7 @@ titan-verify compares an artifact against this, step by step.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -62,6 +63,18 @@ class EagerProgram:
             loss = loss / self.micro_batches
         loss.backward()
         return loss.detach()
+
+    @torch.no_grad()
+    def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of a held-out batch; the buffers the forward updates (a MoE's load and
+        balancing bias) are put back, so training goes on as if it had not run."""
+        buffers = {name: b.clone() for name, b in self.model.named_buffers()}
+        with warnings.catch_warnings():  # SimpleFSDP's redistribute under no_grad: DTensor's advice is for autograd
+            warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+            loss = self.model(tokens, labels)
+        for name, b in self.model.named_buffers():
+            b.copy_(buffers[name])
+        return loss
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the model's gradients as DTensors on the job's

@@ -19,7 +19,8 @@ from titan.runtime.contract.manifest import Manifest
 from titan.runtime.distributed import RankEnv, init_process_group, pick_device
 from titan.runtime.recipe import Recipe
 from titan.runtime.run_config import RunConfig
-from titan.runtime.train import GraphProgram, grad_norm_function, make_data, make_optimizer, step_function
+from titan.runtime.train import (GraphProgram, grad_norm_function, make_data, make_optimizer, make_validation,
+                                 step_function)
 from titan.runtime.train_loop import StepResults, train_loop
 
 
@@ -55,8 +56,11 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
     # LR scheduler and clip_grad_norm_.
     eager_opt = torch.optim.AdamW(eager.params, lr=recipe.schedule.lr, foreach=False, **recipe.adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(eager_opt, recipe.schedule.factor)
-    eager_run = train_loop(eager.step, eager_opt, make_data(m, cfg, layout.coordinates(env.rank)),
-                           grad_norm=lambda: eager.clip_grad_norm(recipe.max_norm), scheduler=scheduler, **kw)
+    coords = layout.coordinates(env.rank)
+    eager_run = train_loop(eager.step, eager_opt, make_data(m, cfg, coords),
+                           grad_norm=lambda: eager.clip_grad_norm(recipe.max_norm), scheduler=scheduler,
+                           validation=make_validation(eager.forward_loss, m, cfg, coords, device=device, mesh=mesh),
+                           **kw)
     eager_params = {fqn: p.detach().cpu() for fqn, p in eager.model.named_parameters()}
     del eager, eager_opt
     program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed,
@@ -66,7 +70,8 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
     with step_function(program, cfg, device) as step:
         graph_run = train_loop(step, make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw),
                                make_data(m, cfg, program.coords), grad_norm=grad_norm_function(program, recipe, mesh),
-                               **kw)
+                               validation=make_validation(program.forward_loss, m, cfg, program.coords, device=device,
+                                                          mesh=mesh), **kw)
     fqns = art.rank_record(env.rank).param_fqns
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
     return Verdict(eager=eager_run, artifact=graph_run, device=device, params_differ=differ, params=len(fqns))
@@ -83,7 +88,8 @@ class Verdict:
     params: int
 
     def steps_equal(self) -> bool:
-        pairs = [*zip(self.eager.losses, self.artifact.losses), *zip(self.eager.grad_norms, self.artifact.grad_norms)]
+        pairs = [*zip(self.eager.losses, self.artifact.losses), *zip(self.eager.grad_norms, self.artifact.grad_norms),
+                 *((a, b) for (_, a), (_, b) in zip(self.eager.val_losses, self.artifact.val_losses))]
         return all(torch.equal(a, b) for a, b in pairs)
 
 
