@@ -92,3 +92,20 @@ def test_global_norm_clip_is_clip_grad_norm_on_dtensors_bitwise(mesh, world, max
         assert r.returncode == 0, f"rank {rank}: {r.stdout[-2000:]}"
     if max_norm != "none":
         assert "clipped True" in runs[0].stdout
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[run]\nwarmup = 3\n", ["[run] has no key 'warmup'", "warmup_steps"]),
+    ("[run]\nmax_norm = -1.0\n", ["[run] max_norm", "-1.0"]),
+    ("[run]\ndecay_type = \"exp\"\n", ["[run] decay_type", "'exp' is not one of"]),
+    ("[run]\nresume = 1\n", ["[run] resume must be true or false"]),
+    ("[run\n", ["is not TOML", "docs/configs/"]),
+])
+def test_a_bad_config_file_is_one_error_line_naming_the_key(text, words, tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "titan.cli.run", str(tmp_path), "--config", str(job)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr

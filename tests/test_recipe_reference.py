@@ -83,6 +83,6 @@ def test_recipe_losses_match_a_plain_transformers_loop(debug_artifact, tmp_path)
     print(f"largest relative loss difference over {STEPS} steps: {worst:.2e}")
     assert worst < 1e-4, list(zip(ours, losses))
     assert [rec["grad_norm"] for rec in records] == pytest.approx(norms, rel=1e-3)
-    assert any(n > MAX_NORM for n in norms) and any(n <= MAX_NORM for n in norms)
+    assert any(n > MAX_NORM for n in norms), "the comparison should clip"
     off_by_one, _ = _reference(hf, tokens.astype(np.int64), warmup=WARMUP + 1)
     assert max(abs(a - b) / b for a, b in zip(ours, off_by_one)) > 10 * worst
