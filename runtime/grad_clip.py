@@ -3,7 +3,8 @@
 
 The norm is over every parameter of the model: each rank holds shards (FSDP, tensor-parallel,
 expert-parallel) and copies (data-parallel replicas, and every parameter a mesh dimension does
-not shard). For DTensors on one mesh, clip_grad_norm_ (torch 2.11-2.13) does, and so does this:
+not shard). For DTensors on one mesh, clip_grad_norm_ does this (read from torch 2.13's DTensor
+redistribution; torch 2.11 on the GPU host is not yet checked), and so does this module:
 
 1. `torch._foreach_norm` of the local gradients (one fp32 scalar per parameter). A parameter
    sharded over a mesh dimension has a partial norm there (`_NormPartial(2)`); otherwise the
