@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import tomllib
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -117,6 +116,13 @@ def resolve(cls: type, values: dict, *, section: str, **fixed):
 def read_section(path: str, section: str, *, allowed: list[str]) -> dict:
     """The [section] table of a TOML config file, its keys checked against `allowed`."""
     from titan.runtime.safe_files import read_user_file
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ValueError("--config needs Python 3.11 or later (tomllib), or `pip install tomli`") from None
     text = read_user_file(Path(path), max_size=MAX_CONFIG_BYTES, what=f"--config {path}")
     try:
         doc = tomllib.loads(text.decode())
