@@ -32,6 +32,8 @@ def main(artifact, json_path, **values):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data, recipe); exit 1 on any difference."""
     cfg = resolve(RunConfig, values, section="run")
     steps, device = cfg.steps, cfg.device
+    if steps < 1:
+        raise ValueError(f"--steps {steps}: titan-verify compares training steps; pass --steps 1 or more")
     launcher = "RANK" not in os.environ
     if launcher:  # the first line, before torch is imported (seconds)
         from titan.runtime import timings
