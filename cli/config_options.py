@@ -29,7 +29,7 @@ MAX_CONFIG_BYTES = 1 << 20
 _TYPES = {
     "positive": POSITIVE, "non_negative": NON_NEGATIVE, "seed": SEED, "positive_float": LEARNING_RATE,
     "non_negative_float": FiniteFloat(0.0, inclusive=True), "timeout": TIMEOUT,
-    "fraction": click.FloatRange(0.0, 1.0), "seq_len": click.IntRange(min=2),
+    "fraction": FiniteFloat(0.0, inclusive=True, maximum=1.0), "seq_len": click.IntRange(min=2),
     "file": NonEmptyPath(dir_okay=False), "dir": NonEmptyPath(file_okay=False),
     "path": NonEmptyPath(path_type=Path),
 }
