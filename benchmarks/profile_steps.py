@@ -201,7 +201,8 @@ def main() -> None:
     ap.add_argument("--no-fused-adamw", action="store_true")
     args = ap.parse_args()
     from titan.runtime.distributed import exit_rank
-    from titan.runtime.train import RunConfig, rank_main, run_rank
+    from titan.runtime.run_config import RunConfig
+    from titan.runtime.train import rank_main, run_rank
 
     cfg = RunConfig(steps=args.steps, metrics=args.metrics, quiet=True, cuda_graphs=not args.no_cuda_graphs,
                     fused_adamw=not args.no_fused_adamw)

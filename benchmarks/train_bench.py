@@ -284,7 +284,7 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
             run = [sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
                    "--metrics", str(metrics), *run_flags]
         wall = _spawn(run, world, env, tmp / f"{layout}-{mode}")
-        recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+        recs = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]  # after the config header
         res = {"step_times": [r["step_time_s"] for r in recs], "losses": [r["loss"] for r in recs],
                "first_step_s": recs[0]["time"] - t0, "peak_gib": recs[-1].get("peak_mem_gib", 0.0)}
     else:

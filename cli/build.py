@@ -1,4 +1,7 @@
-"""titan-build: trace, partition and serialize every rank of a layout into an artifact."""
+"""titan-build: trace, partition and serialize every rank of a layout into an artifact.
+
+Each option is a field of builder/spec/build_config.py's BuildConfig (also a key of a --config
+TOML file, section [build]); --shape FIELD=VALUE, repeatable, is the one option of its own."""
 
 from __future__ import annotations
 
@@ -8,74 +11,26 @@ from pathlib import Path
 
 import click
 
+from titan.builder.spec.build_config import BuildConfig
+from titan.cli.config_options import config_options, resolve
 from titan.cli.errors import Command
-from titan.cli.options import POSITIVE, NonEmptyPath
 
-
-def _flavor_help() -> str:
-    from titan.builder.models.deepseek_v3.config import FLAVORS as DEEPSEEK_V3
-    from titan.builder.models.llama3.config import FLAVORS as LLAMA3
-
-    def names(flavors) -> str:
-        return ", ".join(f"{n} (default)" if n == flavors.default else n for n in flavors)
-    return f"Model size: llama3: {names(LLAMA3)}; deepseek_v3: {names(DEEPSEEK_V3)}."
-
-
-FLAVOR_HELP = _flavor_help()
+SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
+"""The model dimensions titan-build sets by name on top of a flavor (--shape sets any other)."""
 
 
 @click.command(cls=Command)
-@click.option("--model", default="llama3", show_default=True, help="Model family: llama3, deepseek_v3 or qwen3.")
-@click.option("--flavor", default=None, help=FLAVOR_HELP)
-@click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (with sequence parallel).")
-@click.option("--dp-shard", default=1, show_default=True, type=POSITIVE, help="FSDP degree.")
-@click.option("--dp-replicate", default=1, show_default=True, type=POSITIVE, help="Replicated data-parallel degree.")
-@click.option("--ep", default=1, show_default=True, type=POSITIVE,
-              help="Expert-parallel degree (mixture-of-experts models): routed experts split over this many ranks, "
-                   "which are data parallel for everything else.")
-@click.option("--batch-size", default=None, type=POSITIVE, help="Sequences per data-parallel rank (default: 2 debug flavors, 1 otherwise).")
-@click.option("--seq-len", default=None, type=click.IntRange(min=2), help="Tokens per sequence (default: 128 debug flavors, 8192 otherwise).")
-@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp32"]), help="Compute dtype: bf16 (default; fp32 for the debug flavors) or fp32. "
-              "Parameters and optimizer state stay fp32.")
-@click.option("--passes", "passes", default=None,
-              help="Graph passes after partitioning, comma-separated, in order ('' for none; default: "
-                   "the numerics-preserving set). --list-passes shows them.")
-@click.option("--ac", default="none", show_default=True, type=click.Choice(["none", "full", "selective"]),
-              help="Activation checkpointing: recompute block activations in the backward (full), or all but "
-                   "matmul/attention outputs (selective).")
-@click.option("--fuse", type=click.Choice(["regions", "blocks"]), default=None, is_flag=False, flag_value="blocks",
-              help="Fused kernels that titan-run generates on its GPU (faster; numerics differ from eager in the last "
-                   "bits): 'blocks' (a bare --fuse): all element-wise and reduction work between matmuls, attention "
-                   "and collectives; 'regions': only within RMSNorm, RoPE, SwiGLU and the loss.")
-@click.option("--list-passes", is_flag=True, help="Describe the available passes and exit.")
-@click.option("--partitioner", default="min_cut", show_default=True, type=click.Choice(["min_cut", "default"]),
-              help="Forward/backward partitioner.")
-@click.option("--out", default=None, type=NonEmptyPath(path_type=Path),
-              help="Output directory (default: artifacts/<name>, the name spelling out every non-default choice).")
-@click.option("--replace", is_flag=True, help="Replace the artifact at --out even if it is of another build.")
-@click.option("--jobs", default=None, type=POSITIVE, help="Ranks traced in parallel (default: CPU count).")
-@click.option("--cache-dir", default=None, type=NonEmptyPath(file_okay=False, path_type=Path),
-              help="Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan).")
-@click.option("--explain", is_flag=True, help="On a cache miss, list every factor that differs from the nearest entry.")
-@click.option("--kernels", is_flag=True, help="Also compile the fusion kernels on this host's GPU (one GPU of the kind "
-              "the job will use) into the cache entry and the artifact, so that no rank compiles at start-up.")
-@click.option("--sign", "sign_key", default=None, type=NonEmptyPath(dir_okay=False),
-              help="Sign the artifact's manifest with this key file (made, mode 0600, if missing) instead of your own "
-                   "cache key: titan-run --trust KEYFILE then loads the compiled kernels it carries.")
-@click.option("--n-layers", default=None, type=POSITIVE, help="Transformer blocks (default: the flavor's).")
-@click.option("--dim", default=None, type=POSITIVE, help="Model width (default: the flavor's).")
-@click.option("--n-heads", default=None, type=POSITIVE, help="Attention (query) heads (default: the flavor's).")
-@click.option("--n-kv-heads", default=None, type=POSITIVE, help="Key/value heads, llama3 (default: the flavor's).")
-@click.option("--vocab-size", default=None, type=POSITIVE,
-              help="Vocabulary: embedding rows and logits, e.g. your tokenizer's (default: the flavor's).")
-@click.option("--ffn-dim", default=None, type=POSITIVE, help="Feed-forward hidden width, llama3 (default: derived "
-              "from the width as Llama 3 does).")
+@config_options(BuildConfig, section="build")
 @click.option("--shape", "shape_args", multiple=True, metavar="FIELD=VALUE",
               help="Set any field of the family's config on top of the flavor (repeatable), e.g. "
                    "--shape moe_hidden=64 for deepseek_v3; an unknown FIELD lists them.")
-def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dtype, passes, ac, fuse, list_passes, partitioner, out,
-         replace, jobs, cache_dir, explain, kernels, sign_key, n_layers, dim, n_heads, n_kv_heads, vocab_size, ffn_dim, shape_args):
+def main(shape_args, **values):
     """Build a training artifact; needs no GPU. Reuses the shared build cache."""
+    cfg = resolve(BuildConfig, values, section="build")
+    model, flavor, passes, jobs, explain, sign_key = cfg.model, cfg.flavor, cfg.passes, cfg.jobs, cfg.explain, cfg.sign
+    out = None if cfg.out is None else Path(cfg.out)
+    cache_dir = None if cfg.cache_dir is None else Path(cfg.cache_dir)
+    list_passes, replace, kernels = cfg.list_passes, cfg.replace, cfg.kernels
     import titan.runtime.common.compiler_caches as compiler_caches
     from titan.runtime.kernels.artifact_trust import sign_artifact, signing_key
     compiler_caches.ensure()  # tracing and --kernels drive inductor: its caches must be private first
@@ -101,10 +56,10 @@ def main(model, flavor, tp, dp_shard, dp_replicate, ep, batch_size, seq_len, dty
     from titan.cli.build_progress import BuildProgress
 
     shape = parse_shape_args(shape_args)
-    shape.update({k: v for k, v in dict(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                                        vocab_size=vocab_size, ffn_dim=ffn_dim).items() if v is not None})
-    spec = make_spec(model=model, flavor=flavor, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
-                     batch_size=batch_size, seq_len=seq_len, partitioner=partitioner, dtype=dtype, ac=ac, fuse=fuse,
+    shape.update({k: v for k in SHAPE_FIELDS if (v := getattr(cfg, k)) is not None})
+    spec = make_spec(model=model, flavor=flavor, tp=cfg.tp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate,
+                     ep=cfg.ep, batch_size=cfg.batch_size, seq_len=cfg.seq_len, partitioner=cfg.partitioner,
+                     dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape)
     out = out or Path("artifacts") / spec.name
     lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work

@@ -15,12 +15,12 @@ import click
 
 
 class FiniteFloat(click.ParamType):
-    """A finite float above `minimum` (or at least it, with `inclusive`)."""
+    """A finite float above `minimum` (or at least it, with `inclusive`), and at most `maximum`."""
 
     name = "float"
 
-    def __init__(self, minimum: float, *, inclusive: bool = False):
-        self.minimum, self.inclusive = minimum, inclusive
+    def __init__(self, minimum: float, *, inclusive: bool = False, maximum: float | None = None):
+        self.minimum, self.inclusive, self.maximum = minimum, inclusive, maximum
 
     def convert(self, value, param, ctx):
         try:
@@ -32,6 +32,8 @@ class FiniteFloat(click.ParamType):
             self.fail(f"{value!r} is not a finite number (want a number {bound})", param, ctx)
         if number < self.minimum or (number == self.minimum and not self.inclusive):
             self.fail(f"{value!r} is not {bound}", param, ctx)
+        if self.maximum is not None and number > self.maximum:
+            self.fail(f"{value!r} is more than {self.maximum:g}", param, ctx)
         return number
 
 

@@ -19,7 +19,7 @@ PANEL_W, PANEL_H, DPI = 8.0, 2.5, 100
 @click.command(cls=Command)
 @click.argument("metrics", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--out", default=None, type=NonEmptyPath(dir_okay=False, path_type=Path),
-              help="PNG to write: loss, tokens/s and (when recorded) peak memory over steps.")
+              help="PNG to write: loss (and validation loss), learning rate, gradient norm, tokens/s and (when recorded) peak memory over steps.")
 @click.option("--summary", "show_summary", is_flag=True,
               help="Print steps, first/last/min loss, median tokens/s (what titan-report does without -o).")
 def main(metrics, out, show_summary):
@@ -45,13 +45,22 @@ def plot(records: list[dict], out: Path, *, title: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    panels = [("loss", "loss"), ("tokens_per_s", "tokens/s")]
+    panels = [("loss", "loss")]
+    if any("val_loss" in r for r in records):
+        panels[0] = ("loss", "loss / validation loss")
+    panels += [(key, label) for key, label in (("lr", "learning rate"), ("grad_norm", "gradient norm"))
+               if any(key in r for r in records)]
+    panels.append(("tokens_per_s", "tokens/s"))
     if any("peak_mem_gib" in r for r in records):
         panels.append(("peak_mem_gib", "peak memory (GiB)"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(PANEL_W, PANEL_H * len(panels)), dpi=DPI, sharex=True)
     for ax, (key, label) in zip(axes, panels):
         points = [(r["step"], r[key]) for r in records if key in r]
         ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None)
+        if key == "loss" and any("val_loss" in r for r in records):
+            val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+            ax.plot([s for s, _ in val], [v for _, v in val], marker="o", label="validation")
+            ax.legend()
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -10,36 +10,33 @@ import time
 
 import click
 
+from titan.cli.config_options import config_options, resolve
 from titan.cli.errors import Command
-from titan.cli.options import kernel_trust, kernel_trust_options, LEARNING_RATE, POSITIVE, SEED, NonEmptyPath, command_args
+from titan.cli.options import NonEmptyPath, command_args, kernel_trust, kernel_trust_options
+from titan.runtime.run_config import RunConfig
+
+
+VERIFY_FIELDS = ("steps", "lr", "warmup_steps", "decay_type", "decay_ratio", "min_lr_factor", "beta1", "beta2", "eps",
+                 "weight_decay", "max_norm", "accumulation_steps", "global_batch_size", "val_data", "val_every",
+                 "val_steps", "seed", "data", "data_dtype",
+                 "device", "deterministic", "cuda_graphs", "fused_adamw")
+"""The run options that decide what is trained (the rest of titan-run's do not apply)."""
 
 
 @click.command(cls=Command)
 @click.argument("artifact", type=NonEmptyPath(file_okay=False))
-@click.option("--steps", default=10, show_default=True, type=POSITIVE,
-              help="Optimizer steps to train each way (eagerly, then from the artifact) and compare.")
-@click.option("--lr", default=8e-4, show_default=True, type=LEARNING_RATE, help="AdamW learning rate (> 0), both ways.")
-@click.option("--seed", default=0, show_default=True, type=SEED,
-              help="Seed for the initial weights and synthetic data, both ways.")
-@click.option("--data", default=None, type=NonEmptyPath(dir_okay=False), help="Flat token file (default: synthetic tokens).")
-@click.option("--data-dtype", default=None, type=click.Choice(["uint16", "uint32"]),
-              help="Token file element type (default: from its titan-data sidecar, else uint16).")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
-              help="Where the ranks run: cpu (gloo), cuda (one GPU per rank, nccl) or auto (cuda when the host has a GPU per rank).")
-@click.option("--deterministic", is_flag=True, help="Deterministic kernels only (GPU).")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="On GPU, capture forward + backward in a CUDA graph and replay it.")
-@click.option("--fused-adamw/--no-fused-adamw", default=True, show_default=True,
-              help="On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton).")
+@config_options(RunConfig, section="run", only=VERIFY_FIELDS, defaults={"steps": 10})
 @click.option("--json", "json_path", default=None, type=NonEmptyPath(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
 @kernel_trust_options
-def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cuda_graphs, fused_adamw, json_path,
-         trust_keys, trust_unsigned_kernels):
-    """Train ARTIFACT and the same model eagerly (same layout, seed, data); exit 1 on any difference."""
+def main(artifact, json_path, trust_keys, trust_unsigned_kernels, **values):
+    """Train ARTIFACT and the same model eagerly (same layout, seed, data, recipe); exit 1 on any difference."""
     import titan.runtime.common.compiler_caches as compiler_caches
     compiler_caches.ensure()  # regions may compile: the compilers' caches must be private first
-    trust = kernel_trust(trust_keys, trust_unsigned_kernels)
+    cfg = resolve(RunConfig, values, section="run", kernel_trust=kernel_trust(trust_keys, trust_unsigned_kernels))
+    steps, device = cfg.steps, cfg.device
+    if steps < 1:
+        raise ValueError(f"--steps {steps}: titan-verify compares training steps; pass --steps 1 or more")
     launcher = "RANK" not in os.environ
     if launcher:  # the first line, before torch is imported (seconds)
         from titan.cli.run import check_memory, describe_build
@@ -49,7 +46,7 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
         from titan.runtime.startup import Phases, job_started
         t0 = job_started()
         art = open_artifact(artifact)
-        check_run_paths(data=data, metrics=json_path)
+        check_run_paths(data=cfg.data, metrics=json_path)
         warning = check_memory(art, device)
         key = f"{art.manifest.cache_key}-{steps}-{device}"
         click.echo(f"titan-verify {art.root}: {describe_build(art.manifest)}; training {steps} step(s) eagerly and "
@@ -61,11 +58,6 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
         from titan.runtime.startup import rank_phases
         checking = rank_phases()(f"rank {os.environ['RANK']}: importing torch", short="torch import")
     with checking:
-        from titan.runtime.train import RunConfig
-
-        cfg = RunConfig(steps=steps, lr=lr, seed=seed, data=data, data_dtype=data_dtype, device=device,
-                        deterministic=deterministic, cuda_graphs=cuda_graphs,
-                        fused_adamw=fused_adamw, kernel_trust=trust)
         if launcher:
             art.verify_all()
             from titan.cli.tools.verify import eager_config
@@ -73,8 +65,6 @@ def main(artifact, steps, lr, seed, data, data_dtype, device, deterministic, cud
             from titan.runtime.run_state import RunState
             state = RunState(cfg, art.manifest, art.rank_record(0).params)  # the run's checks (--data), once
             state.close()
-            from titan.runtime.memory_estimate import check_local_ranks
-            check_local_ranks(art.world_size, art.rank_record(0), device, name=str(art.root))  # a CPU host's cores and memory
     if not launcher:
         from titan.runtime.distributed import exit_rank
         exit_rank(_rank(artifact, cfg, json_path))
@@ -97,28 +87,42 @@ def _rank(artifact: str, cfg, json_path: str | None) -> int:
 
 
 def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
+    import torch
+
     from titan.cli.tools.verify import all_ranks_equal, verify_rank
-    v = verify_rank(artifact, cfg, env)
-    eager, graph = v.eager, v.artifact
-    losses_equal, differ = all_ranks_equal(eager, graph, v.device, v.params_differ)
-    equal = losses_equal and differ == 0
+    verdict = verify_rank(artifact, cfg, env)
+    steps_equal, differ = all_ranks_equal(verdict)
+    equal = steps_equal and differ == 0
+    eager, graph = verdict.eager, verdict.artifact
     if env.rank == 0:
         if json_path:
             with open(json_path, "w") as f:
-                json.dump({"eager": [x.item().hex() for x in eager], "artifact": [x.item().hex() for x in graph],
+                json.dump({"eager": [x.item().hex() for x in eager.losses],
+                           "artifact": [x.item().hex() for x in graph.losses],
+                           "eager_grad_norm": [x.item().hex() for x in eager.grad_norms],
+                           "artifact_grad_norm": [x.item().hex() for x in graph.grad_norms],
+                           "eager_val_loss": [[s, x.item().hex()] for s, x in eager.val_losses],
+                           "artifact_val_loss": [[s, x.item().hex()] for s, x in graph.val_losses],
                            "parameters_differing": differ, "bitwise_equal": equal}, f)
-        print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  same")
-        for i, (a, b) in enumerate(zip(eager, graph), 1):
-            print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {'yes' if bool((a == b).all()) else 'NO'}")
-        print(f"parameters after step {len(graph)}: " + ("all bitwise equal" if differ == 0 else
-              f"{differ} tensors differ") + f" ({v.n_params} tensors per rank, {env.world_size} ranks)")
+        print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  {'eager grad norm':>22}  "
+              f"{'artifact grad norm':>22}  same")
+        for i, (a, b, na, nb) in enumerate(zip(eager.losses, graph.losses, eager.grad_norms, graph.grad_norms), 1):
+            same = torch.equal(a, b) and torch.equal(na, nb)
+            print(f"{i:>4}  {a.item():>22.17g}  {b.item():>22.17g}  {na.item():>22.17g}  {nb.item():>22.17g}  "
+                  f"{'yes' if same else 'NO'}")
+        for (s, a), (_, b) in zip(eager.val_losses, graph.val_losses):
+            print(f"validation after step {s}: eager {a.item():.17g}, artifact {b.item():.17g}, "
+                  f"{'same' if torch.equal(a, b) else 'DIFFERENT'}")
+        print(f"parameters after step {len(graph.losses)}: " + ("all bitwise equal" if differ == 0 else
+              f"{differ} tensors differ") + f" ({verdict.params} tensors per rank, {env.world_size} ranks)")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
         changing = _numerics_changing_passes(artifact)
         if changing and not equal:
-            worst = max(abs(a.item() - b.item()) / max(abs(a.item()), 1e-30) for a, b in zip(eager, graph))
+            worst = max(abs(a.item() - b.item()) / max(abs(a.item()), 1e-30)
+                        for a, b in zip(eager.losses, graph.losses))
             print(f"note: built with passes that change numerics ({', '.join(changing)}); largest relative loss "
                   f"difference {worst:.2e}", flush=True)
-        print(_summary(v), flush=True)
+        print(_summary(verdict), flush=True)
     return 0 if equal else 1
 
 
@@ -136,7 +140,7 @@ def _summary(v) -> str:
              for name, steps in (("artifact", v.artifact_steps), ("eager", v.eager_steps)) if steps}
     gpu = v.device.type == "cuda"
     memory = startup.peak_memory_text(v.device.type, torch.cuda.max_memory_allocated(v.device) if gpu else None)
-    parts = [f"done: {len(v.artifact)} step(s) eagerly and from the artifact in "
+    parts = [f"done: {len(v.artifact.losses)} step(s) eagerly and from the artifact in "
              f"{time.time() - startup.job_started():.1f} s ({phases.breakdown()})",
              " and ".join(f"{name} median {s:,.0f} tokens/s" for name, s in speed.items())]
     if v.artifact_steps:

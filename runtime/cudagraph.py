@@ -64,7 +64,10 @@ class CapturedStep:
             self.static["labels"].copy_(labels)
         self.graph.replay()
         for p, g in zip(self.program.params, self.static["grads"]):
-            p.grad = g
+            if p.grad is None:  # the graph's own buffer, which the next micro-batch's replay rewrites
+                p.grad = g if self.program.micro_batches == 1 else g.clone()
+            else:
+                p.grad.add_(g)
         return self.static["loss"]
 
     def close(self) -> None:

@@ -70,8 +70,8 @@ def fused_adamw_available(params: list[torch.Tensor]) -> bool:
 
 class FusedAdamW(AdamW):
     def __init__(self, params: list[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                 weight_decay: float, schedule=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, schedule=schedule)
         if not fused_adamw_available(self.params):
             raise ValueError("the one-kernel AdamW takes contiguous float32 CUDA parameters and needs triton; "
                              "run with --no-fused-adamw")

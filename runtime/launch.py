@@ -17,17 +17,67 @@ later races with other jobs and sockets in TIME_WAIT (EADDRINUSE).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import titan.runtime.common.interrupt as interrupt
 import titan.runtime.common.parent_death as parent_death
 
+if TYPE_CHECKING:
+    from titan.runtime.contract.artifact import Artifact
+    from titan.runtime.contract.manifest import Manifest
+    from titan.runtime.run_config import RunConfig
+
 PID_KEY = "titan/pid/{rank}"
+
+
+def run_start_key(manifest: Manifest, device: str) -> str:
+    """Names a run's start-up time (runtime/common/timings.py): the build and the --device asked for."""
+    return f"{manifest.cache_key}-{device}"
+
+
+def check_run(art: Artifact, cfg: RunConfig) -> tuple[str, list[str]]:
+    """The checks every rank will make, made once before any starts; returns what the run
+    starts from (for its `start:` line) and the notes the checks made."""
+    from titan.runtime.run_state import RunState
+
+    art.verify_all()
+    record = art.rank_record(0)
+    state = RunState(cfg, art.manifest, record.params, buffers=record.buffers)  # every rank's checks, once
+    state.close()
+    if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        from titan.runtime.step_log import TENSORBOARD_HINT
+        raise ValueError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
+    if cfg.device != "cpu":
+        check_gpus(art.world_size, cfg.device)
+    return state.origin(), state.notes
+
+
+def launch(art: Artifact, *, started: float, module: str, args: list[str]) -> int:
+    """Spawn the run's ranks on this host (`python -m module args`, as torchrun would start
+    them); returns the job's exit code. Rank 0 times the run's start-up from `started`."""
+    from titan.runtime.startup import SPAWNED_ENV, STARTED_ENV
+
+    os.environ[STARTED_ENV] = repr(started)
+    os.environ[SPAWNED_ENV] = repr(time.time())
+    return spawn_local(module, args, art.world_size)
+
+
+def check_gpus(world_size: int, device: str) -> None:
+    """Refuse a job this host's GPUs cannot hold, before any rank starts."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible here; use --device cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and count < world_size:
+        raise ValueError(f"the artifact has {world_size} ranks but this host has {count} GPU(s); "
+                         "launch with torchrun across hosts, or use --device cpu")
 
 
 def _rank_gpus(world_size: int) -> list[str] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,43 +98,71 @@ def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: 
                           activations=max(saved, largest))
 
 
-def host_memory_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+def host_memory() -> tuple[int, int] | None:
+    """(total, available) bytes of this host's memory, from /proc/meminfo; None elsewhere."""
+    fields = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+                name, _, rest = line.partition(":")
+                fields[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemTotal" not in fields:
+        return None
+    return fields["MemTotal"], fields.get("MemAvailable", fields["MemTotal"])
 
 
-def check_cpu_host(world_size: int, estimate: MemoryEstimate, *, name: str) -> None:
-    """ValueError (one line, with the fix) if this host cannot run `world_size` CPU ranks of a
-    program: more than MAX_CPU_RANKS_PER_CORE per core, or more memory than is available."""
+def gpu_memory() -> list[int] | None:
+    """Total bytes of each GPU nvidia-smi lists (in its order; None if there is none or no
+    nvidia-smi). Asked of nvidia-smi, not torch: this process must not take a CUDA context that
+    it would hold on GPU 0 for the whole job."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    try:
+        return [int(float(line)) * 2**20 for line in out.stdout.split()] or None
+    except ValueError:
+        return None
+
+
+def check_fits(records: list[RankRecord], *, gpu: bool, name: str) -> str | None:
+    """Before any rank starts: raise ValueError (one line, with the fix) when the ranks cannot
+    run here: on CPU more than MAX_CPU_RANKS_PER_CORE per core, or a lower bound of their memory
+    (each a process of RANK_PROCESS_BYTES plus estimate_from_record) over the host's, which they
+    share; on GPU one rank's over a GPU's. Returns a warning when the CPU ranks only exceed what
+    is free now, else None. No torch: titan-run checks this before it imports torch."""
+    need = [estimate_from_record(r).at_least for r in records]
+    if gpu:
+        gpus = gpu_memory()
+        if gpus and max(need) > min(gpus):
+            raise ValueError(f"each rank needs at least {max(need) / GIB:.1f} GiB (parameters, gradients, AdamW state "
+                             f"and saved activations) but a GPU here has {min(gpus) / GIB:.1f} GiB; rebuild the artifact "
+                             "with more --tp or --dp-shard ranks, a smaller batch, or --ac full")
+        return None
     cores = os.cpu_count() or 1
-    if world_size > MAX_CPU_RANKS_PER_CORE * cores:
-        raise ValueError(f"{name} has {world_size:,} ranks, more than this host's {cores} core(s) can run on CPU "
+    if len(records) > MAX_CPU_RANKS_PER_CORE * cores:
+        raise ValueError(f"{name} has {len(records):,} ranks, more than this host's {cores} core(s) can run on CPU "
                          f"(at most {MAX_CPU_RANKS_PER_CORE * cores}); run it on GPUs, across hosts with torchrun, "
                          f"or build a layout with fewer ranks")
-    available = host_memory_available()
-    need = world_size * (RANK_PROCESS_BYTES + estimate.at_least)
-    if available is not None and need > available:
-        raise ValueError(f"{name} needs about {need / GIB:.1f} GiB for its {world_size:,} CPU ranks "
-                         f"({RANK_PROCESS_BYTES / GIB:.1f} GiB per process + {estimate.describe()}), but this host "
-                         f"has {available / GIB:.1f} GiB available; run it on GPUs, across hosts with torchrun, or "
-                         f"build a smaller layout, batch or --ac")
-
-
-def check_local_ranks(world_size: int, record: RankRecord, device: str, *, name: str) -> None:
-    """Before a launcher starts `world_size` ranks of a program here: if they run on CPU
-    (`device` as titan-run's --device), the host must hold them (check_cpu_host)."""
-    if device == "auto":
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        check_cpu_host(world_size, estimate_from_record(record), name=name)
+    memory = host_memory()
+    if memory is None:
+        return None
+    total, available = memory
+    cpu_need = sum(need) + len(records) * RANK_PROCESS_BYTES
+    if cpu_need > total:
+        raise ValueError(f"the {len(records):,} rank(s) need at least {cpu_need / GIB:.1f} GiB ({RANK_PROCESS_BYTES / GIB:.1f} "
+                         f"GiB per process, parameters, gradients, AdamW state and saved activations) but this host has "
+                         f"{total / GIB:.1f} GiB, which its ranks share; build a smaller model (e.g. --flavor debug), "
+                         "layout or batch, or run it on GPUs")
+    if cpu_need > available:
+        return (f"the {len(records):,} rank(s) need at least {cpu_need / GIB:.1f} GiB and {available / GIB:.1f} GiB is "
+                "free now: the run may swap or be killed")
+    return None
 
 
 def check_device(estimate: MemoryEstimate, device: torch.device, *, name: str) -> None:

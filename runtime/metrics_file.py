@@ -1,5 +1,6 @@
-"""Reading a titan-run --metrics file (written by step_log.py): one JSON object per step,
-with step, loss, tokens_per_s, step_time_s, time and, on GPU, peak_mem_gib."""
+"""Reading a titan-run --metrics file (written by step_log.py): a header line with the run's
+config, then one JSON object per step, with step, loss, lr, grad_norm, tokens_per_s,
+step_time_s, time and, on GPU, peak_mem_gib."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def read_metrics(path: str | Path) -> list[dict]:
             check_depth(rec, 8, f"{path}: line {number}")
         except (ValueError, RecursionError):
             raise ValueError(f"{path}: line {number} is not JSON; is this a titan-run --metrics file?") from None
+        if isinstance(rec, dict) and "config" in rec and "step" not in rec:
+            continue  # the header: the run's configuration
         records.append(_checked(rec, f"{path}: line {number}"))
     if not records:
         raise ValueError(f"{path} holds no steps; point titan-report at the file a run wrote with --metrics")

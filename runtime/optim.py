@@ -4,24 +4,37 @@ torch.optim imports torch._dynamo on first use, which the runtime must not; and 
 graph capture wants the update as plain tensor ops. This is the same arithmetic, op for op, as
 torch.optim.AdamW's single-tensor path (foreach=False), so the two are bitwise equal; the eager
 reference uses torch.optim.AdamW(foreach=False) and tests hold the equality.
+
+The learning rate follows `schedule` (runtime/lr_schedule.py) when one is given: each step's LR
+is the Python float `schedule.lr_at(steps taken)`, the value torch.optim.lr_scheduler.LambdaLR
+gives torch's AdamW for the same step, so the two stay bitwise equal under any schedule.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from titan.runtime.lr_schedule import LRSchedule
 
 
 class AdamW:
     def __init__(self, params: list[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float):
+                 weight_decay: float, schedule: LRSchedule | None = None):
         self.params = list(params)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.schedule = schedule
         self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
         self.steps = 0
 
     def next_step(self) -> tuple[float, float]:
-        """Count one more step; its (step_size, bias_correction2_sqrt), as torch computes them."""
+        """Count one more step (setting .lr to the schedule's); its (step_size,
+        bias_correction2_sqrt), as torch computes them."""
+        if self.schedule is not None:
+            self.lr = self.schedule.lr_at(self.steps)
         self.steps += 1
         beta1, beta2 = self.betas
         step = float(self.steps)

@@ -21,12 +21,13 @@ from titan.runtime.hf_weights import HFCheckpoint
 from titan.runtime.contract.rank_record import ParamSpec
 from titan.runtime.init import materialize
 from titan.runtime.run_paths import check_option_combinations, check_run_paths
+from titan.runtime.recipe import Recipe
 
 if TYPE_CHECKING:
     from titan.runtime.contract.manifest import Manifest
     from titan.runtime.contract.rank_record import BufferSpec
     from titan.runtime.optim import AdamW
-    from titan.runtime.train import RunConfig
+    from titan.runtime.run_config import RunConfig
 
 
 def _whole(buffer: BufferSpec) -> ParamSpec:
@@ -76,8 +77,14 @@ class RunState:
             if given is not None and given != built:
                 raise ValueError(f"{flag} {given} differs from the artifact's {built} (it shapes the graphs); "
                                  f"rebuild with titan-build {flag} {given}, or drop {flag}")
+        self.recipe = Recipe.for_run(cfg, manifest)
+        if cfg.val_data is None and (cfg.val_every is not None or cfg.val_steps != 1):
+            raise ValueError("--val-every / --val-steps need --val-data FILE (a titan-data token file of held-out text)")
+        if cfg.val_data is not None:
+            self.notes += check_token_file(cfg.val_data, dtype=cfg.data_dtype, manifest=manifest, steps=cfg.val_steps)
         if cfg.data is not None:
-            self.notes += check_token_file(cfg.data, dtype=cfg.data_dtype, manifest=manifest, steps=cfg.steps)
+            self.notes += check_token_file(cfg.data, dtype=cfg.data_dtype, manifest=manifest,
+                                           steps=cfg.steps * self.recipe.micro_batches)
         if cfg.resume:
             self.resume_from = checkpoint.resolve_checkpoint(cfg.checkpoint_dir, flag="--resume --checkpoint-dir",
                                                           step_dir_ok=False)
@@ -110,7 +117,8 @@ class RunState:
         compared on --resume. The artifact's choices (layout, batch shape, dtype) may change on a
         resume: checkpoints reshard exactly, and picking another artifact is deliberate."""
         cfg = self.cfg
-        return {"--seed": cfg.seed, "--data": None if cfg.data is None else os.path.abspath(cfg.data), "--lr": cfg.lr}
+        return {"--seed": cfg.seed, "--data": None if cfg.data is None else os.path.abspath(cfg.data), "--lr": cfg.lr,
+                **self.recipe.settings()}
 
     def _changed_settings(self) -> list[str]:
         recorded = self.resumed.get("settings")
@@ -193,7 +201,8 @@ class RunState:
                 "layout": m.layout.as_dict(), "world_size": m.world_size, "dtype": m.dtype,
                 "batch_size": m.batch_size, "seq_len": m.seq_len, "seed": cfg.seed, "data": cfg.data,
                 "lr": cfg.lr, "torch_version": m.torch_version, "hf_config": hf_config,
-                RECORD: None if m.hf_checkpoint is None else m.hf_checkpoint.to_json(), "settings": self._settings()}
+                RECORD: None if m.hf_checkpoint is None else m.hf_checkpoint.to_json(), "settings": self._settings(),
+                "config": cfg.as_dict()}
 
     def after_step(self, step: int, tensors: list[torch.Tensor], optimizer: AdamW, *,
                    buffers: dict[str, torch.Tensor] | None = None) -> Path | None:

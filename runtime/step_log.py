@@ -1,8 +1,10 @@
 """What rank 0 reports after every step: a progress bar on a terminal or one plain line per
 step, the --metrics JSON lines, and TensorBoard scalars (--tensorboard).
 
-Per-step record (a --metrics line): step, loss (global mean), tokens_per_s, step_time_s, time
-(unix seconds), on GPU peak_mem_gib and, for a mixture of experts, expert_load_max,
+A --metrics file starts with a header line, {"config": the run's effective RunConfig}, written
+once by the run that creates the file. Per-step record (a --metrics line): step, loss (global
+mean), lr (the step's learning rate), grad_norm (the global gradient norm before clipping),
+tokens_per_s, step_time_s, time (unix seconds), on GPU peak_mem_gib and, for a mixture of experts, expert_load_max,
 expert_load_mean (tokens per expert) and dropped_tokens (runtime/buffer_state.py). TensorBoard gets the same values as float64 scalars
 under the same names, at global step `step`, so they read back exactly.
 
@@ -24,7 +26,7 @@ from titan.runtime.common.progress import StatusLine, bar, duration, is_terminal
 from titan.runtime.common.safe_files import UnsafeFile, read_user_file, replace_file
 
 TENSORBOARD_HINT = "pip install -e '.[watch]' from a clone (or: pip install tensorboard)"
-SCALARS = ("loss", "tokens_per_s", "step_time_s", "peak_mem_gib", "expert_load_max", "expert_load_mean",
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_gib", "expert_load_max", "expert_load_mean",
            "dropped_tokens")
 
 
@@ -56,7 +58,7 @@ def keep_steps_through(path: str, step: int) -> None:
             rec = json.loads(line)
         except ValueError:
             continue  # a line cut by a crash
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+        if isinstance(rec, dict) and ("config" in rec or isinstance(rec.get("step"), int) and rec["step"] <= step):
             kept.append(line + "\n")
     with interrupt.deferred():
         replace_file(path, "".join(kept).encode())
@@ -66,7 +68,8 @@ class StepLog:
     """Rank 0's per-step reporter; call it with each step's record."""
 
     def __init__(self, *, total: int, metrics: str | None, tensorboard: str | None, show: bool,
-                 stream: TextIO = sys.stdout, resume_after: int | None = None):
+                 stream: TextIO = sys.stdout, resume_after: int | None = None, config: dict | None = None):
+        """`config`: the run's configuration, the header line of a new metrics file."""
         self.total = total
         self.stream = stream
         self.show = show
@@ -74,6 +77,8 @@ class StepLog:
         if metrics and resume_after is not None:
             keep_steps_through(metrics, resume_after)
         self.metrics = open(metrics, "a", buffering=1) if metrics else None
+        if self.metrics is not None and config is not None and self.metrics.tell() == 0:
+            self.metrics.write(json.dumps({"config": config}) + "\n")
         self.writer = open_tensorboard(tensorboard) if tensorboard else None
         self.first_done: float | None = None
         self.first_step = 0

@@ -7,22 +7,25 @@ import datetime
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from titan.runtime.contract.artifact import Artifact, ArtifactError, open_artifact
-from titan.runtime.kernels.artifact_trust import KernelTrust, kernels_trusted
+from titan.runtime.kernels.artifact_trust import kernels_trusted
 from titan.runtime.buffer_state import BufferState
 from titan.runtime.data import SyntheticTokens, TokenFile
 from titan.runtime.kernels.fusion import compile_program_regions
-from titan.runtime.distributed import RankEnv, dp_sum, init_process_group, pick_device, shutdown
+from titan.runtime.distributed import RankEnv, init_process_group, pick_device, shutdown
 from titan.runtime.init import materialize
 from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
+from titan.runtime.grad_clip import GlobalNormClip
+from titan.runtime.recipe import Recipe
+from titan.runtime.run_config import RunConfig
+from titan.runtime.train_loop import StepResults, Validation, train_loop
 from titan.runtime.startup import rank_phases
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
@@ -30,75 +33,44 @@ from titan.runtime.memory_estimate import check_device, estimate_from_graphs
 from titan.runtime.rank_graphs import load_rank_graphs
 
 
-@dataclass(kw_only=True, slots=True)
-class RunConfig:
-    steps: int = 20
-    """Optimizer steps to run."""
-    lr: float = 8e-4
-    """AdamW learning rate."""
-    seed: int = 0
-    """Seed for parameter init and synthetic data."""
-    batch_size: int | None = None
-    """Sequences per data-parallel rank as the user gave it: must equal the artifact's (None: unchecked)."""
-    seq_len: int | None = None
-    """Tokens per sequence as the user gave it: must equal the artifact's (None: unchecked)."""
-    data: str | None = None
-    """Flat token file; synthetic tokens when None."""
-    data_dtype: str | None = None
-    """Element type of the token file; None: from its sidecar (titan-data), else uint16."""
-    metrics: str | None = None
-    """Write one JSON object per step here (rank 0)."""
-    tensorboard: str | None = None
-    """Write TensorBoard scalars per step into this directory (rank 0)."""
-    device: str = "auto"
-    """auto, cpu or cuda."""
-    quiet: bool = False
-    """Print no step lines."""
-    cuda_graphs: bool = True
-    """On GPU, capture forward + backward once and replay it (no effect on CPU)."""
-    fused_adamw: bool = True
-    """On GPU, update each parameter with one AdamW kernel (bitwise the op-by-op update)."""
-    timeout_s: float = 300.0
-    """Longest wait in a collective or for peers to join before the rank fails."""
-    deterministic: bool = False
-    """Use deterministic kernels only (GPU runs are otherwise free to pick faster, racy ones)."""
-    init_from_hf: str | None = None
-    """Hugging Face Llama directory to load the initial weights from (instead of the seeded init)."""
-    checkpoint_dir: str | None = None
-    """Write DCP checkpoints here (at the last step, and every checkpoint_every steps)."""
-    checkpoint_every: int | None = None
-    """Also checkpoint every this many steps."""
-    resume: bool = False
-    """Continue from the latest complete checkpoint in checkpoint_dir."""
-    resume_with_changes: bool = False
-    """On resume, accept a seed, data file or learning rate other than the checkpoint's."""
-    kernel_trust: KernelTrust = KernelTrust()
-    """Whose compiled kernels in the artifact this run loads (--trust, --trust-unsigned-kernels)."""
-
-
-# AdamW hyperparameters as torchtitan sets them; the eager reference uses the same.
-ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def make_optimizer(params: list[torch.Tensor], lr: float, device: torch.device | None = None, *,
+def make_optimizer(params: list[torch.Tensor], recipe: Recipe, device: torch.device | None = None, *,
                    fused: bool = True) -> AdamW:
-    """AdamW over `params`: on a GPU (with triton) one kernel per parameter, elsewhere op by op;
-    both round exactly as torch.optim.AdamW(foreach=False) does."""
+    """AdamW over `params` with the recipe's hyperparameters and LR schedule: on a GPU (with
+    triton) one kernel per parameter, elsewhere op by op; both round exactly as
+    torch.optim.AdamW(foreach=False) does."""
+    kw = dict(lr=recipe.schedule.lr, schedule=recipe.schedule, **recipe.adamw)
     if fused and device is not None and device.type == "cuda":
         from titan.runtime.fused_adamw import FusedAdamW, fused_adamw_available
         if fused_adamw_available(params):
-            return FusedAdamW(params, lr=lr, **ADAMW)
-    return AdamW(params, lr=lr, **ADAMW)
+            return FusedAdamW(params, **kw)
+    return AdamW(params, **kw)
 
 
-def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int]):
+def grad_norm_function(program: GraphProgram, recipe: Recipe, mesh) -> Callable[[], torch.Tensor]:
+    """The global gradient norm of the program's parameters (clipping them to the recipe's
+    max_norm), computed on the device (runtime/grad_clip.py)."""
+    clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm)
+    return lambda: clip([p.grad for p in program.params])
+
+
+def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int], *, validation: bool = False):
+    """This rank's slice of the training data (or of --val-data)."""
     layout = manifest.layout
     dp_rank = layout.dp_rank(coords)
     common = dict(vocab_size=manifest.vocab_size, batch_size=manifest.batch_size, seq_len=manifest.seq_len)
-    if cfg.data is None:
+    path = cfg.val_data if validation else cfg.data
+    if path is None:
         return SyntheticTokens(seed=cfg.seed, dp_rank=dp_rank, **common)
-    return TokenFile(cfg.data, dtype=cfg.data_dtype, dp_rank=dp_rank,
-                     dp_degree=layout.dp_degree, **common)
+    return TokenFile(path, dtype=cfg.data_dtype, dp_rank=dp_rank, dp_degree=layout.dp_degree, **common)
+
+
+def make_validation(forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], manifest: Manifest,
+                    cfg: RunConfig, coords: dict[str, int], *, device: torch.device, mesh) -> Validation | None:
+    """The run's validation (None without --val-data)."""
+    if cfg.val_data is None:
+        return None
+    return Validation(forward_loss, make_data(manifest, cfg, coords, validation=True), steps=cfg.val_steps,
+                      every=cfg.val_every, device=device, mesh=mesh)
 
 
 class GraphProgram:
@@ -106,16 +78,21 @@ class GraphProgram:
     coordinates), this rank's parameter shards and the model's buffers (runtime/buffer_state.py)."""
 
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
+                 micro_batches: int = 1,
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None,
                  load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None,
                  params_from: str = "seeded init", artifact_kernels: bool = False):
+        """`micro_batches`: how many micro-batches make an optimizer step (each one's loss and
+        gradients are divided by it: runtime/recipe.py)."""
         phases = rank_phases()
         with phases(f"rank {rank}: loading and checking its program", short="program"):
             self._load(artifact, rank, device=device, mesh=mesh, artifact_kernels=artifact_kernels)
         with phases(f"rank {rank}: materializing its parameters ({params_from})", short="parameters"):
             record = artifact.rank_record(rank)
             load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
+            self.specs = record.params
             self.params = [load_param(p) for p in record.params]
+            self.micro_batches = micro_batches
             self.buffers = BufferState(record, device=device, load=load_buffer)
 
     def _load(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, artifact_kernels: bool) -> None:
@@ -132,69 +109,58 @@ class GraphProgram:
         self.inputs = record.forward_inputs
         self.coords = record.coords
 
+    def _forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        params = iter(self.params)
+        return [next(params) if inp.kind == "param" else self.buffers.tensors[inp.fqn] if inp.kind == "buffer"
+                else tokens if inp.kind == "tokens" else labels for inp in self.inputs]
+
+    @torch.no_grad()
+    def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's loss of a held-out batch: the forward graph alone, its buffer updates
+        (a MoE's load and bias) dropped, so training goes on as if it had not run."""
+        outputs = self.forward(*self._forward_args(tokens, labels))
+        return outputs[len(self.buffers.mutated)]
+
     @torch.no_grad()
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """This rank's loss and the gradient of each parameter (in self.params order)."""
-        params = iter(self.params)
-        args = []
-        for inp in self.inputs:
-            kind = inp.kind
-            args.append(next(params) if kind == "param" else self.buffers.tensors[inp.fqn] if kind == "buffer"
-                        else tokens if kind == "tokens" else labels)
-        outputs = self.forward(*args)
+        """This rank's loss and the gradient of each parameter (in self.params order), both of
+        the micro-batch's share of the step: divided by the number of micro-batches, as autograd
+        divides the seed of `(loss / n).backward()`."""
+        outputs = self.forward(*self._forward_args(tokens, labels))
         n_updates = len(self.buffers.mutated)
         updates, loss, saved = outputs[:n_updates], outputs[n_updates], outputs[n_updates + 1:]
         del outputs
-        grads = self.backward(*saved, torch.ones_like(loss))
+        seed = torch.ones_like(loss)
+        if self.micro_batches > 1:
+            seed, loss = seed / self.micro_batches, loss / self.micro_batches
+        grads = self.backward(*saved, seed)
         del saved
         self.buffers.copy_back(updates)  # after the backward: it may recompute from the old values
         return loss, [g for inp, g in zip(self.inputs, grads) if inp.kind == "param"]
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward + backward; sets .grad on each parameter; returns this rank's loss."""
+        """Forward + backward of one micro-batch; sets (first micro-batch) or adds to .grad of
+        each parameter; returns this rank's loss (its share of the step's)."""
         loss, grads = self.forward_backward(tokens, labels)
-        for p, g in zip(self.params, grads):
-            p.grad = g
+        accumulate_grads(self.params, grads)
         return loss
 
 
-def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
-               data, *, steps: int, device: torch.device, mesh, tokens_per_step: int,
-               log: Callable[[dict], None] | None, start: int = 0,
-               after_step: Callable[[int], None] | None = None,
-               step_metrics: Callable[[], dict] | None = None) -> list[torch.Tensor]:
-    """Run optimizer steps start+1 .. steps; returns each step's loss summed over data-parallel
-    ranks. `after_step(step)` runs after each (checkpointing); `step_metrics()` adds to the
-    logged record (read after the step, e.g. the expert load from the model's buffers)."""
-    losses = []
-    for step in range(start + 1, steps + 1):
-        tokens, labels = data.batch(step - 1)
-        tokens, labels = tokens.to(device), labels.to(device)
-        t0 = time.perf_counter()
-        local = step_fn(tokens, labels)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = dp_sum(local, mesh).cpu()
-        dt = time.perf_counter() - t0
-        losses.append(loss)
-        if log is not None:
-            record = {"step": step, "loss": loss.item(), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                      "time": time.time()}
-            if device.type == "cuda":
-                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            if step_metrics is not None:
-                record.update(step_metrics())
-            log(record)
-        if after_step is not None:
-            after_step(step)
-    return losses
+def accumulate_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Set each parameter's .grad to its gradient, or add to it (a later micro-batch): the sum
+    autograd's AccumulateGrad makes, in the same order."""
+    for p, g in zip(params, grads):
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
 
 
 def _step_logger(cfg: RunConfig, is_rank0: bool, total: int, start: int):
     if not is_rank0:
         return None
     return StepLog(total=total, metrics=cfg.metrics, tensorboard=cfg.tensorboard, show=not cfg.quiet,
-                   resume_after=start if cfg.resume else None)
+                   resume_after=start if cfg.resume else None, config=cfg.as_dict())
 
 
 def _say(env: RankEnv, cfg: RunConfig, log: StepLog | None, text: str) -> None:
@@ -216,11 +182,11 @@ def compiles_regions(manifest: Manifest, device: torch.device) -> bool:
 
 
 def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
-             on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+             on_step: Callable[[int], None] | None = None) -> StepResults:
     """Train this rank; `on_step(step)` (if given) runs after each step's bookkeeping."""
     from titan.runtime.common import timings
     from titan.runtime import startup
-    from titan.runtime.launch import register_rank
+    from titan.runtime.launch import register_rank, run_start_key
     from titan.runtime.run_state import RunState
 
     started = startup.job_started()
@@ -254,7 +220,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     mesh = layout.build_mesh(device.type)
     m = artifact.manifest
     key = f"{m.cache_key}-{device.type}"
-    run_key = f"{m.cache_key}-{cfg.device}"  # as cli/run.py's run_start_key names it
+    run_key = run_start_key(m, cfg.device)
     compiles = compiles_regions(m, device)
     trusted = False
     if compiles:
@@ -265,15 +231,16 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         _say(env, cfg, None, f"loading this artifact's kernels from {where}, compiling the ones it "
                              f"lacks{timings.expectation('fusion', key) or ' (the first run on a device compiles all)'}")
     t_load = time.perf_counter()
+    recipe = run_state.recipe
     program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
-                           load_param=run_state.load_param,
+                           micro_batches=recipe.micro_batches, load_param=run_state.load_param,
                            load_buffer=run_state.load_buffer, params_from=run_state.params_from(),
                            artifact_kernels=trusted)
     if compiles and env.rank == 0:
         timings.record("fusion", key, time.perf_counter() - t_load)
     if program.fusion is not None:
         _say(env, cfg, None, program.fusion.line())
-    optimizer = make_optimizer(program.params, cfg.lr, device, fused=cfg.fused_adamw)
+    optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
     with phases(f"rank {env.rank}: loading the checkpoint {run_state.resume_from}", short="checkpoint load"):
         start = run_state.restore(program.params, optimizer, buffers=program.buffers.tensors)
     log = _step_logger(cfg, env.rank == 0, cfg.steps, start)
@@ -302,14 +269,17 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     records: list[dict] = []
     log_all = None if log is None else (lambda rec: (records.append(rec), log(rec)))
     with step_function(program, cfg, device) as step:
-        losses = train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
-                            tokens_per_step=tokens_per_step, log=log_all, start=start, after_step=after_step,
-                            step_metrics=program.buffers.metrics if len(program.buffers) else None)
+        results = train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
+                             tokens_per_step=tokens_per_step, log=log_all, start=start, after_step=after_step,
+                             micro_batches=recipe.micro_batches, grad_norm=grad_norm_function(program, recipe, mesh),
+                             validation=make_validation(program.forward_loss, m, cfg, program.coords, device=device,
+                                                        mesh=mesh),
+                             step_metrics=program.buffers.metrics if len(program.buffers) else None)
     if env.rank == 0 and not cfg.quiet:
         startup.launcher_phase(phases)
         print(run_summary(records, started=started, startup_s=startup_s, device=device, artifact=artifact,
                           params=record.params), flush=True)
-    return losses
+    return results
 
 
 def run_summary(records: list[dict], *, started: float, startup_s: float | None, device: torch.device,

@@ -104,7 +104,10 @@ def cache_record(path: Path) -> dict:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The step records of a --metrics file (after its header line, the run's config)."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert "config" in records[0], "a metrics file starts with the run's config"
+    return records[1:]
 
 
 @pytest.fixture(scope="session")

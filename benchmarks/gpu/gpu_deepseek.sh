@@ -41,7 +41,7 @@ for name in debug 16B-4L; do
   run=$(python3 - "$OUT/run-$name.jsonl" <<'EOF'
 import json, statistics, sys
 try:
-    steps = [json.loads(line) for line in open(sys.argv[1])]
+    steps = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]  # after the config header
 except OSError:
     steps = []
 if not steps:

@@ -4,7 +4,7 @@ should hear so before a run tries (issue 33)."""
 
 from __future__ import annotations
 
-from titan.runtime.memory_fit import GiB, gpu_memory, host_memory
+from titan.runtime.memory_estimate import GIB, PARAM_STATE_BYTES, gpu_memory, host_memory
 
 
 def default_flavor_warning(spec) -> str | None:
@@ -15,18 +15,18 @@ def default_flavor_warning(spec) -> str | None:
     if n_params is None:
         return None
     layout = spec.layout
-    per_rank = 16 * n_params / (layout.tp * layout.dp_shard * layout.ep)
+    per_rank = PARAM_STATE_BYTES * n_params / (layout.tp * layout.dp_shard * layout.ep)
     gpus = gpu_memory()
     fix = f"pass --flavor {spec.flavor} to build it for another host, or --flavor debug to train here"
     if gpus:
         if per_rank > min(gpus):
             return (f"--flavor defaults to {spec.flavor} ({n_params / 1e9:.1f}B parameters): about "
-                    f"{per_rank / GiB:.0f} GiB per rank for parameters, gradients and AdamW state alone, more than "
-                    f"a GPU here has ({min(gpus) / GiB:.0f} GiB); {fix}")
+                    f"{per_rank / GIB:.0f} GIB per rank for parameters, gradients and AdamW state alone, more than "
+                    f"a GPU here has ({min(gpus) / GIB:.0f} GIB); {fix}")
         return None
     memory = host_memory()
     if memory is None or per_rank * layout.world_size <= memory[0]:
         return None
-    return (f"--flavor defaults to {spec.flavor} ({n_params / 1e9:.1f}B parameters): about {per_rank / GiB:.0f} GiB "
+    return (f"--flavor defaults to {spec.flavor} ({n_params / 1e9:.1f}B parameters): about {per_rank / GIB:.0f} GIB "
             f"per rank for parameters, gradients and AdamW state alone, and this host has no GPU and "
-            f"{memory[0] / GiB:.0f} GiB; {fix}")
+            f"{memory[0] / GIB:.0f} GIB; {fix}")

@@ -30,6 +30,7 @@ import torch
 from titan.runtime import checkpoint
 from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.distributed import RankEnv, exit_rank, init_process_group, shutdown
+from titan.runtime.recipe import Recipe
 from titan.runtime.train import make_optimizer
 
 env = RankEnv.from_environ()
@@ -37,7 +38,7 @@ init_process_group(env, torch.device("cpu"))
 art = open_artifact(sys.argv[1])
 params = art.rank_record(env.rank).params
 tensors = [torch.full(p.local_shape, float("nan")) for p in params]
-optimizer = make_optimizer(tensors, 0.0)
+optimizer = make_optimizer(tensors, Recipe.constant(0.0))
 for buf in optimizer.exp_avg + optimizer.exp_avg_sq:
     buf.fill_(float("nan"))
 state = checkpoint.load(Path(sys.argv[2]), params=params, tensors=tensors, optimizer=optimizer)
@@ -64,7 +65,7 @@ def _run(art, *args):
 def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_metrics_file(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
     whole, metrics, ckpt = (tmp_path / n for n in ("whole.jsonl", "metrics.jsonl", "ckpt"))
-    # Ctrl-C a long run just past its checkpoint at step 10, so that its metrics go beyond it
+    # Ctrl-C a long run just past its checkpoint at step 10 (the metrics' header + 11 steps), so that its metrics go beyond it
     # (the next checkpoint is steps away, however late the signal lands on a loaded machine).
     p = subprocess.Popen([sys.executable, "-m", "titan.cli.run", str(art), "--steps", "100000", "--checkpoint-dir",
                           str(ckpt), "--checkpoint-every", "10", "--metrics", str(metrics)],
@@ -72,7 +73,7 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_metrics_fil
                          preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 11):
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 12):
             time.sleep(0.02)
         os.killpg(p.pid, signal.SIGINT)
         assert p.wait(timeout=60) == 130

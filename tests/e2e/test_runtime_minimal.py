@@ -12,7 +12,8 @@ import pytest
 PROBE = """
 import os, sys
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-from titan.runtime.train import RunConfig, rank_main
+from titan.runtime.run_config import RunConfig
+from titan.runtime.train import rank_main
 code = rank_main(sys.argv[1], RunConfig(quiet=True, **eval(sys.argv[2])))
 bad = sorted(m for m in sys.modules if m.startswith(("titan.builder", "torch._dynamo", "torch._inductor")))
 print("BAD", bad)

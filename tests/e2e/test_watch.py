@@ -117,8 +117,9 @@ def test_tensorboard_scalars_equal_the_metrics_file(watched_run):
     _, records, root = watched_run
     events = EventAccumulator(str(root / "tb"), size_guidance={"tensors": 0})
     events.Reload()
-    assert sorted(events.Tags()["tensors"]) == ["loss", "step_time_s", "tokens_per_s"]  # no GPU, no memory
-    for tag in ("loss", "tokens_per_s", "step_time_s"):
+    # No GPU, no memory.
+    assert sorted(events.Tags()["tensors"]) == ["grad_norm", "loss", "lr", "step_time_s", "tokens_per_s"]
+    for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
         got = [(e.step, make_ndarray(e.tensor_proto).item()) for e in events.Tensors(tag)]
         assert got == [(m["step"], m[tag]) for m in records]
 
@@ -142,7 +143,7 @@ def test_report_plots_and_summarizes_a_run(watched_run, tmp_path):
         f"tokens/s     median {statistics.median(m['tokens_per_s'] for m in records):,.0f}",
         f"step time    median {statistics.median(m['step_time_s'] for m in records):.4f} s",
         f"wrote {tmp_path / 'report.png'}"]
-    assert _png_size(tmp_path / "report.png") == (800, 500)  # loss and tokens/s panels
+    assert _png_size(tmp_path / "report.png") == (800, 1000)  # loss, lr, grad norm and tokens/s panels
     plain = titan("report", root / "m.jsonl")  # no flags: the summary alone
     assert plain.returncode == 0 and plain.stdout.splitlines() == r.stdout.splitlines()[:-1], plain.stderr
 

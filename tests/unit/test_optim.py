@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from titan.runtime.optim import AdamW
-from titan.runtime.train import ADAMW
+from titan.runtime.recipe import adamw_options
+from titan.runtime.run_config import RunConfig
+
+ADAMW = adamw_options(RunConfig())
 
 
 def test_adamw_matches_torch_bitwise_over_steps():

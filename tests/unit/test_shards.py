@@ -35,13 +35,14 @@ def test_only_real_rows_of_padded_shards_are_checkpointed():
     """A padded shard saves and loads its real rows (a view of the live tensor); a trailing
     part with no real rows has nothing to checkpoint."""
     from titan.runtime.checkpoint import dcp_state
+    from titan.runtime.recipe import Recipe
     from titan.runtime.train import make_optimizer
 
     params = [param_spec("a", [64, 32], [[0, 3, 2]]),    # rows 44..63 of a 22-row chunk
               param_spec("b", [64, 32], [[0, 48, 47]]),  # past the last row: empty
               param_spec("c", [64, 32], [[0, 2, 1]])]    # even: the whole tensor
     tensors = [torch.zeros(22, 32), torch.zeros(2, 32), torch.zeros(32, 32)]
-    state, boxes = dcp_state(params, tensors, make_optimizer(tensors, 0.0))
+    state, boxes = dcp_state(params, tensors, make_optimizer(tensors, Recipe.constant(0.0)))
     assert sorted(state) == sorted(f"{family}.{fqn}" for family in ("model", "optim.exp_avg", "optim.exp_avg_sq") for fqn in "ac")
     assert boxes["model.a"] == ([44, 0], [20, 32], [64, 32]) and boxes["model.c"] == ([32, 0], [32, 32], [64, 32])
     state["model.a"].fill_(1.0)  # what a load does to it

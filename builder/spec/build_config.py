@@ -1,0 +1,72 @@
+"""A build's configuration: every titan-build option, defined once.
+
+cli/config_options.py makes each field a titan-build option (and a key of `--config job.toml`,
+section [build]); the field's docstring is its help. builder/build.py's make_spec checks the
+values that make the artifact. A config is data: it does no work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from titan.runtime.common.config_fields import setting
+
+
+@dataclass(kw_only=True, slots=True)
+class BuildConfig:
+    model: str = "llama3"
+    """Model family: llama3, deepseek_v3 or qwen3."""
+    flavor: str | None = None
+    """Model size: llama3: debug, 1B, 8B (default), 70B, 405B; deepseek_v3: debug, 16B (default), 671B, 16B-4L; qwen3: debug, 0.6B, 1.7B, 4B, 8B (default), 14B, 32B, debug-moe, 30B-A3B, 235B-A22B."""
+    tp: int = setting(1, check="positive")
+    """Tensor-parallel degree (with sequence parallel)."""
+    dp_shard: int = setting(1, check="positive")
+    """FSDP degree."""
+    dp_replicate: int = setting(1, check="positive")
+    """Replicated data-parallel degree."""
+    ep: int = setting(1, check="positive")
+    """Expert-parallel degree (mixture-of-experts models): routed experts split over this many ranks, which are data parallel for everything else."""
+    batch_size: int | None = setting(None, check="positive")
+    """Sequences per data-parallel rank in one micro-batch (default: 2 debug, 1 otherwise)."""
+    seq_len: int | None = setting(None, check="seq_len")
+    """Tokens per sequence (default: 128 debug, 8192 otherwise)."""
+    dtype: Literal["bf16", "fp32"] | None = None
+    """Compute dtype: bf16 (default; fp32 for the debug flavor) or fp32. Parameters and optimizer state stay fp32."""
+    passes: str | None = None
+    """Graph passes after partitioning, comma-separated, in order ('' for none; default: the numerics-preserving set). --list-passes shows them."""
+    ac: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing: recompute block activations in the backward (full), or all but matmul/attention outputs (selective)."""
+    fuse: Literal["regions", "blocks"] | None = setting(None, flag_value="blocks")
+    """Fused kernels that titan-run generates on its GPU (faster; numerics differ from eager in the last bits): 'blocks' (a bare --fuse): all element-wise and reduction work between matmuls, attention and collectives; 'regions': only within RMSNorm, RoPE, SwiGLU and the loss."""
+    list_passes: bool = False
+    """Describe the available passes and exit."""
+    partitioner: Literal["min_cut", "default"] = "min_cut"
+    """Forward/backward partitioner."""
+    out: str | None = setting(None, check="path")
+    """Output directory (default: artifacts/<name>, the name spelling out every non-default choice)."""
+    replace: bool = False
+    """Replace the artifact at --out even if it is of another build."""
+    jobs: int | None = setting(None, check="positive")
+    """Ranks traced in parallel (default: CPU count)."""
+    cache_dir: str | None = setting(None, check="dir")
+    """Build cache (default: $TITAN_CACHE_DIR or ~/.cache/titan)."""
+    explain: bool = False
+    """On a cache miss, list every factor that differs from the nearest entry."""
+    kernels: bool = False
+    """Also compile the fusion kernels on this host's GPU (one GPU of the kind the job will use) into the cache entry and the artifact, so that no rank compiles at start-up."""
+    sign: str | None = setting(None, check="file")
+    """Sign the artifact's manifest with this key file (made, mode 0600, if missing) instead of your own cache key: titan-run --trust KEYFILE then loads the compiled kernels it carries."""
+    n_layers: int | None = setting(None, check="positive")
+    """Transformer blocks (default: the flavor's)."""
+    dim: int | None = setting(None, check="positive")
+    """Model width (default: the flavor's)."""
+    n_heads: int | None = setting(None, check="positive")
+    """Attention (query) heads (default: the flavor's)."""
+    n_kv_heads: int | None = setting(None, check="positive")
+    """Key/value heads, llama3 and qwen3 (default: the flavor's)."""
+    vocab_size: int | None = setting(None, check="positive")
+    """Vocabulary: embedding rows and logits, e.g. your tokenizer's (default: the flavor's)."""
+    ffn_dim: int | None = setting(None, check="positive")
+    """Feed-forward hidden width, llama3 (default: derived from the width as Llama 3 does)."""
+
