@@ -49,7 +49,7 @@ def main(shape_args, **values):
     from titan.runtime.store.build_cache import Cache
     from titan.builder.spec.cache_key import build_factors, digest
     import titan.runtime.common.timings as timings
-    from titan.runtime.memory_estimate import PARAM_STATE_BYTES, param_elements
+    from titan.runtime.contract.memory_estimate import PARAM_STATE_BYTES, param_elements
     from titan.runtime.store.lock import LOCK_WAIT_ENV, lock_wait_s
     signer_key = signing_key(sign_key)  # a key file that cannot be used is refused before anything is traced
     from titan.builder.models.shape import parse_shape_args

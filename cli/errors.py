@@ -16,13 +16,13 @@ import sys
 import click
 
 import titan.runtime.common.terminal as terminal
+from titan.cli.version import program_name, version_option
 
 
 class _OneLineErrors:
     def __init__(self, *args, context_settings: dict | None = None, **kwargs):
         settings = {"help_option_names": ["-h", "--help"], **(context_settings or {})}
         super().__init__(*args, context_settings=settings, **kwargs)
-        from titan.cli.options import version_option
         self.params.append(version_option())
 
     def main(self, args=None, prog_name=None, **kwargs):
@@ -48,14 +48,6 @@ class _OneLineErrors:
 def _fail(message: str) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(2)
-
-
-def program_name() -> str:
-    """titan-run for the console script and for `python -m titan.cli.run` alike (titan for the group)."""
-    name = os.path.basename(sys.argv[0])
-    if not name.endswith(".py"):
-        return name
-    return "titan" if name == "titan.py" else f"titan-{name[:-3]}"
 
 
 def _command_path(e: click.ClickException, program: str) -> str:

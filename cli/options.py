@@ -82,26 +82,3 @@ def kernel_trust(trust_keys, trust_unsigned_kernels):
     trust = KernelTrust(keys=tuple(trust_keys), unsigned=trust_unsigned_kernels)
     check_keys(trust)
     return trust
-def version_text(program: str) -> str:
-    """'titan-run 0.1.0 (torch 2.13.0+cpu, Python 3.11.7)': from package metadata, without
-    importing torch."""
-    from importlib import metadata
-
-    def installed(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-    return (f"{program} {installed('titan-aot')} (torch {installed('torch')}, "
-            f"Python {sys.version.split()[0]})")
-
-
-def version_option() -> click.Option:
-    """--version, for every titan command."""
-    def show(ctx, param, value):
-        if value and not ctx.resilient_parsing:
-            from titan.cli.errors import program_name
-            click.echo(version_text(program_name() if ctx.parent is None else ctx.command_path))
-            ctx.exit()
-    return click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True, callback=show,
-                        help="Print the version (and torch's) and exit.")

@@ -95,7 +95,7 @@ def describe_build(manifest: Manifest) -> str:
 def check_memory(art, device: str) -> str | None:
     """Refuse a job whose ranks cannot fit this host's memory (on GPU: one GPU's); returns a
     warning when they only exceed what is free now."""
-    from titan.runtime.memory_estimate import check_fits, gpu_memory
+    from titan.runtime.contract.memory_estimate import check_fits, gpu_memory
 
     gpu = device == "cuda" or (device == "auto" and gpu_memory() is not None)
     return check_fits([art.rank_record(0)] * art.world_size, gpu=gpu, name=str(art.root))

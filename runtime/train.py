@@ -29,7 +29,7 @@ from titan.runtime.train_loop import StepResults, Validation, train_loop
 from titan.runtime.startup import rank_phases
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
-from titan.runtime.memory_estimate import check_device, estimate_from_graphs
+from titan.runtime.contract.memory_estimate import check_device, estimate_from_graphs
 from titan.runtime.rank_graphs import load_rank_graphs
 
 

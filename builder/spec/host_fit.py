@@ -4,7 +4,7 @@ should hear so before a run tries (issue 33)."""
 
 from __future__ import annotations
 
-from titan.runtime.memory_estimate import GIB, PARAM_STATE_BYTES, gpu_memory, host_memory
+from titan.runtime.contract.memory_estimate import GIB, PARAM_STATE_BYTES, gpu_memory, host_memory
 
 
 def default_flavor_warning(spec) -> str | None:

@@ -56,7 +56,8 @@ def trace_in_processes(spec: BuildSpec, tasks: list[tuple[int, tuple[int | None,
     in a fresh process (see rank_trace.py). Tasks start in the order given, each on the first free
     worker. The processes report their stages (rank_progress.py), passed on to `on_stage`
     meanwhile."""
-    from titan.builder.trace.rank_job import RankJob, start_trace_process, trace_job
+    from titan.builder.trace.job import RankJob
+    from titan.builder.trace.rank_job import start_trace_process, trace_job
 
     if not tasks:
         return

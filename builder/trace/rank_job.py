@@ -1,37 +1,12 @@
-"""A trace process: what it is given and gives back, and how it starts (builder/trace/rank_trace.py does
-the tracing). Kept apart from the tracer, so that titan-build's own process hands out jobs
-without importing it."""
+"""A trace process: how it starts and runs its job (builder/trace/job.py says what a job is;
+builder/trace/rank_trace.py does the tracing). Kept apart from the tracer, so that
+titan-build's own process hands out jobs without importing it."""
 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
-
 from titan.builder.trace import rank_progress
-from titan.runtime.contract.rank_record import RankRecord
-
-
-@dataclass(kw_only=True, frozen=True)
-class RankJob:
-    build: object
-    """What is built (builder/spec/build_spec.py BuildSpec): model, layout, batch shape, partitioner,
-    dtype, AC policy, passes."""
-    rank: int
-    """Rank to trace."""
-    depths: tuple[int | None, ...] = (None,)
-    """Trace the model at each of these depths (None: the flavor's own; builder/program/stamp.py
-    fits deep programs from shallow ones), one after the other in this process."""
-
-
-@dataclass(kw_only=True)
-class RankResult:
-    rank: int
-    depth: int | None
-    """The depth traced (None: the flavor's own)."""
-    forward: bytes
-    backward: bytes
-    meta: RankRecord
-    timings: dict = field(default_factory=dict)
+from titan.builder.trace.job import RankJob, RankResult
 
 
 def trace_job(job: RankJob) -> list[RankResult]:

@@ -25,7 +25,7 @@ from titan.builder.passes.checkpointing import tag_activation_checkpointing
 from titan.builder.models.spec import RankPlace
 from titan.builder.trace.parallelize import parallelize
 from titan.builder.passes.registry import PASSES, PassContext
-from titan.builder.trace.rank_job import RankJob, RankResult
+from titan.builder.trace.job import RankJob, RankResult
 from titan.builder.trace.rank_progress import report
 from titan.runtime.contract.graph_encode import encode_graph
 from titan.runtime.contract.layout import mesh_dims_by_group

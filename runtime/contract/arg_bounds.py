@@ -27,7 +27,7 @@ MAX_NODE_ELEMENTS = 1 << 33
 is twice that). The largest tensor titan builds, DeepSeek-V3 671B's dropless dispatch buffer at
 tp 8 x ep 64 x dp-shard 4, batch 1 x 8192, is 262,145 x 7,168 = 1.9 Gi (measured 2026-11-25);
 Llama-3 405B's logits at batch 8 x 8192, tp 8, 1 Gi. What a device can hold is checked before
-the first step (runtime/memory_estimate.py)."""
+the first step (runtime/contract/memory_estimate.py)."""
 MAX_SPLITS = 1 << 16
 """Most parts of a split list: a process group has at most 2^16 ranks."""
 

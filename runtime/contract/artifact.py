@@ -78,7 +78,7 @@ class Artifact:
     def kernel(self, key: str) -> bytes | None:
         """The compiled region the artifact carries under `key` (titan-build --kernels), verified
         against the manifest; None if it carries none."""
-        from titan.runtime.store.kernel_store import MAX_KERNEL_BYTES
+        from titan.runtime.contract.manifest import MAX_KERNEL_BYTES
 
         rel = self.manifest.kernels.get(key)
         return None if rel is None else self.read_verified(rel, max_size=MAX_KERNEL_BYTES)

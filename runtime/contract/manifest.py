@@ -27,6 +27,10 @@ _VERSION = re.compile(r"[0-9][0-9A-Za-z.+_-]{0,63}")
 _KERNEL_KEY = re.compile(r"[0-9a-f]{32}")
 MAX_KERNELS = 1 << 16
 
+MAX_KERNEL_BYTES = 256 << 20
+"""Largest compiled region read (real ones are tens of KiB)."""
+
+
 
 @dataclass(kw_only=True, frozen=True)
 class ProgramFiles:

@@ -21,11 +21,10 @@ from pathlib import Path
 from titan.runtime.common.environment import cache_root
 from titan.runtime.store.content_store import SHA256, ContentStore, layout_problems
 from titan.runtime.store.lock import StoreLock
+from titan.runtime.contract.manifest import MAX_KERNEL_BYTES
 
 RECORD_KIND = "kernels"
 KERNEL_KEY = re.compile(r"[0-9a-f]{32}")
-MAX_KERNEL_BYTES = 256 << 20
-"""Largest compiled region read (real ones are tens of KiB)."""
 STALE_TEMP_S = 3600.0
 """Temp files older than this are left over from a killed writer."""
 

@@ -126,7 +126,7 @@ def test_a_rank_checks_its_graphs_memory_against_its_device(debug_artifact):
     import torch
 
     from titan.runtime.contract.artifact import open_artifact
-    from titan.runtime.memory_estimate import check_device, estimate_from_graphs, estimate_from_record
+    from titan.runtime.contract.memory_estimate import check_device, estimate_from_graphs, estimate_from_record
     from titan.runtime.rank_graphs import load_rank_graphs
 
     art = open_artifact(debug_artifact())
