@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The training recipe on one GPU (issue 27):
-#   bash benchmarks/gpu_recipe.sh           (nvidia-h100-x1 or nvidia-h200; no internet needed)
+#   bash benchmarks/gpu/gpu_recipe.sh           (nvidia-h100-x1 or nvidia-h200; no internet needed)
 # Llama-3 1B, seq 8192, batch 1, bf16:
 #  1. titan-verify --device cuda --deterministic, CUDA graphs on, with the full recipe (warmup +
 #     cosine decay + clipping at 1.0 + 2-way accumulation): every step's loss and grad norm and
