@@ -92,7 +92,9 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
             val = validation()
             results.val_losses.append((step, val))
         if log is not None:
-            record = {"step": step, "loss": loss.item(), "lr": optimizer.lr,
+            # titan's AdamW holds its LR; torch's (the eager reference) in its parameter group.
+            lr = optimizer.lr if hasattr(optimizer, "lr") else optimizer.param_groups[0]["lr"]
+            record = {"step": step, "loss": loss.item(), "lr": lr,
                       "tokens_per_s": tokens_per_step * micro_batches / dt, "step_time_s": dt, "time": time.time()}
             if norm is not None:
                 record["grad_norm"] = norm.item()
