@@ -68,7 +68,9 @@ class CapturedStep:
                 p.grad = g if self.program.micro_batches == 1 else g.clone()
             else:
                 p.grad.add_(g)
-        return self.static["loss"]
+        # The loss too is the graph's own buffer: a later micro-batch's replay would rewrite it
+        # under the step's sum (found on an H100: every logged loss after the capture was wrong).
+        return self.static["loss"] if self.program.micro_batches == 1 else self.static["loss"].clone()
 
     def close(self) -> None:
         """Release the graph before the process group goes: a captured graph holds NCCL
