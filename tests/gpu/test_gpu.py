@@ -95,6 +95,21 @@ def test_8b_tp4_bf16_cuda_graphs_bitwise_equal_to_eager(tmp_path):
     assert result["bitwise_equal"] and result["eager"] == result["artifact"]
 
 
+@pytest.mark.gpu(count=1)
+def test_the_recipe_in_cuda_graphs_is_bitwise_equal_to_eager(debug_artifact, tmp_path):
+    """Warmup, cosine decay, clipping and 2-way accumulation with CUDA graphs: every step's loss
+    (a micro-batch's loss is the graph's own buffer, rewritten by the next replay), grad norm
+    and validation loss, and every parameter."""
+    val = tmp_path / "val.bin"
+    torch.randint(0, 2048, (20_000,), dtype=torch.int32).to(torch.int16).numpy().tofile(val)
+    result = _verify_json(debug_artifact(), tmp_path, "recipe", "--deterministic", "--warmup-steps", 2,
+                          "--decay-type", "cosine", "--min-lr-factor", 0.1, "--max-norm", 0.5,
+                          "--accumulation-steps", 2, "--val-data", val, "--val-every", 5)
+    assert result["bitwise_equal"] and result["eager"] == result["artifact"]
+    assert result["eager_grad_norm"] == result["artifact_grad_norm"]
+    assert result["eager_val_loss"] == result["artifact_val_loss"] and len(result["eager_val_loss"]) == 2
+
+
 @pytest.mark.gpu(count=2)
 def test_deterministic_kernels_bitwise_on_cuda(debug_artifact, tmp_path):
     result = _verify_json(debug_artifact(tp=2), tmp_path, "det", "--deterministic")
