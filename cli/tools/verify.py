@@ -27,12 +27,16 @@ from titan.runtime.train_loop import StepResults, train_loop
 
 
 def eager_config(manifest: Manifest) -> tuple[ModelSpec, ModelConfig]:
-    """The artifact's model, as this titan's model code builds it."""
+    """The artifact's model, as this titan's model code builds it: its recorded config (a
+    flavor, or a shape of the user's own: builder/models/shape.py), held to the family's
+    shape rules."""
     spec = model_spec(manifest.model)
-    cfg = spec.config_from_dict(manifest.model_config)
-    if spec.flavors.get(manifest.flavor) != cfg:
-        raise ValueError(f"artifact model config does not match flavor {manifest.flavor!r} of this titan; "
-                         "rebuild the artifact with this version")
+    try:
+        cfg = spec.config_from_dict(manifest.model_config)
+        spec.check_shape(cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the artifact's model config is not one this titan's {manifest.model} code can build "
+                         f"({e}); rebuild the artifact with this version") from None
     return spec, cfg
 
 

@@ -115,7 +115,7 @@ def test_titan_run_refuses_a_program_the_host_memory_cannot_hold(art_copy):
     r = titan("verify", art_copy, "--device", "cpu", "--steps", 1)
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
-    assert "needs about 1048576.4 GiB for its 1 CPU ranks" in line and "build a smaller layout, batch or --ac" in line
+    assert "the 1 rank(s) need at least 1048576.4 GiB" in line and "layout or batch, or run it on GPUs" in line
 
 
 def test_a_rank_checks_its_graphs_memory_against_its_device(debug_artifact):

@@ -50,6 +50,16 @@ class Qwen3Config:
         # The manifest's JSON gives a list back (config_from_dict).
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
 
+    @property
+    def n_params(self) -> int:
+        """Parameters of the whole model (every routed expert counted; a tied output once)."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attention = self.dim * q + 2 * self.dim * kv + q * self.dim + 2 * self.head_dim + 2 * self.dim
+        dense = 3 * self.dim * self.ffn_hidden
+        moe = self.n_experts * self.dim + 3 * self.dim * self.moe_hidden * self.n_experts
+        blocks = sum(attention + (moe if self.is_moe_layer(i) else dense) for i in range(self.n_layers))
+        return (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim + blocks + self.dim
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` has routed experts (transformers' Qwen3MoeDecoderLayer rule)."""
         return (self.n_experts > 0 and layer not in self.mlp_only_layers
