@@ -127,3 +127,29 @@ def decoder_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, c
     logits = model.output(model.norm(h))
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
     return loss / model.loss_scale
+
+
+class Decoder(nn.Module):
+    """A decoder family's model: embedding, blocks ("layers.<i>"), final norm and output
+    projection, whose forward (each family's: its RoPE tables, then decoder_loss) returns this
+    rank's share of the mean next-token loss.
+
+    `loss_scale` (an attribute) divides the summed token loss: the builder sets it to the number
+    of tokens in the global batch, so summing every data-parallel rank's output gives the mean
+    loss and the gradients (summed by the data-parallel reductions) are those of that mean.
+    """
+
+    loss_scale: float = 1.0
+
+    def __init__(self, cfg, blocks: list[nn.Module]):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The mixture-of-experts feed-forwards (builder/models/moe), in block order."""
+        return [block.feed_forward for block in self.layers.values() if getattr(block, "moe", False)]
+

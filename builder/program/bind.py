@@ -29,21 +29,12 @@ import msgpack
 from titan.runtime.contract.bindings import SLICE_DIMS, Binding
 from titan.runtime.contract.graph_doc import BIND, read_doc
 from titan.runtime.contract.layout import Layout
+from titan.builder.trace.job import Trace
 from titan.runtime.contract.rank_record import RankRecord
 
 
 class NotOneProgram(Exception):
     """The probe ranks' traces differ in more than integers that bind to coordinates."""
-
-
-@dataclass(kw_only=True)
-class Trace:
-    """One traced rank: its graph blobs and rank metadata (builder/trace/rank_trace.py)."""
-
-    rank: int
-    forward: bytes
-    backward: bytes
-    meta: RankRecord
 
 
 @dataclass(kw_only=True)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 from titan.runtime.store.build_cache import Cache
 from titan.builder.spec.cache_key import digest, rank_factors
+from titan.builder.trace.job import Trace
 from titan.builder.trace.pool import trace_in_processes, trace_tasks
 from titan.runtime.common import interrupt
 from titan.runtime.contract.rank_record import RankRecord
@@ -26,16 +27,7 @@ def _store_rank(cache: Cache, rank_key: str, factors: dict, res) -> None:
                               "meta": meta_sha, "timings": res.timings})
 
 
-def _hf_record(spec: BuildSpec) -> dict | None:
-    family = spec.model_spec
-    if family.hf_checkpoint is None:
-        return None
-    return family.hf_checkpoint(spec.cfg, list(family.init_specs(spec.cfg))).to_json()
-
-
 def _cached_trace(cache: Cache, record: dict):
-    from titan.builder.program.bind import Trace
-
     meta = RankRecord.from_json(json.loads(cache.read_blob(record["meta"])), f"cached rank {record['rank']}")
     return Trace(rank=record["rank"], forward=cache.read_blob(record["forward"]),
                  backward=cache.read_blob(record["backward"]),
@@ -57,8 +49,6 @@ class CachedTracer:
         return rank_factors(self.factors, self.spec.layout.coordinates(rank), depth=depth)
 
     def trace(self, ranks: list[int], depths: Callable[[int], tuple[int | None, ...]] = lambda rank: (None,)) -> None:
-        from titan.builder.program.bind import Trace
-
         todo: dict[int, tuple] = {}
         for r in ranks:
             for d in depths(r):

@@ -30,3 +30,14 @@ class RankResult:
     backward: bytes
     meta: RankRecord
     timings: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Trace:
+    """One traced rank: its graph blobs and rank metadata (rank_trace.py), as the program stage
+    (builder/program) takes it."""
+
+    rank: int
+    forward: bytes
+    backward: bytes
+    meta: RankRecord

@@ -9,7 +9,8 @@ from dataclasses import replace
 import msgpack
 import pytest
 
-from titan.builder.program.bind import NotOneProgram, Trace, one_program, probe_ranks
+from titan.builder.program.bind import NotOneProgram, one_program, probe_ranks
+from titan.builder.trace.job import Trace
 from titan.runtime.contract.graph_doc import BIND, FORMAT, VERSION, read_doc
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.rank_record import RankRecord

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan.builder.models.decoder import DecoderBlock, RMSNorm, SwiGLU, apply_rope, decoder_loss
+from titan.builder.models.decoder import Decoder, DecoderBlock, RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
 from titan.builder.models.deepseek_v3.moe import MoE
 from titan.runtime.contract.ops import causal_attention
@@ -95,21 +95,11 @@ def transformer_block(cfg: DeepSeekV3Config, layer: int) -> DecoderBlock:
                         feed_forward=MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.dense_hidden), moe=moe)
 
 
-class DeepSeekV3(nn.Module):
-    """Decoder that returns this rank's share of the mean next-token loss (see Llama3)."""
+class DeepSeekV3(Decoder):
+    """DeepSeek-V3 (builder/models/decoder.py's Decoder says what its forward returns)."""
 
     def __init__(self, cfg: DeepSeekV3Config):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): transformer_block(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-
-    loss_scale: float = 1.0
-
-    def moe_layers(self) -> list[MoE]:
-        return [block.feed_forward for block in self.layers.values() if block.moe]
+        super().__init__(cfg, [transformer_block(cfg, i) for i in range(cfg.n_layers)])
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_tables(tokens.shape[1], self.cfg, tokens.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan.builder.models.decoder import DecoderBlock, GroupedQueryAttention, RMSNorm, SwiGLU, decoder_loss, rope_tables
+from titan.builder.models.decoder import Decoder, DecoderBlock, GroupedQueryAttention, SwiGLU, decoder_loss, rope_tables
 from titan.builder.models.qwen3.config import Qwen3Config
 from titan.builder.models.qwen3.moe import MoE
 
@@ -22,23 +22,14 @@ def transformer_block(cfg: Qwen3Config, layer: int) -> DecoderBlock:
                         feed_forward=MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.ffn_hidden), moe=moe)
 
 
-class Qwen3(nn.Module):
-    """Decoder that returns this rank's share of the mean next-token loss (see Llama3)."""
+class Qwen3(Decoder):
+    """Qwen3 (builder/models/decoder.py's Decoder says what its forward returns); the small dense
+    flavors' output projection is the embedding (one parameter)."""
 
     def __init__(self, cfg: Qwen3Config):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): transformer_block(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        super().__init__(cfg, [transformer_block(cfg, i) for i in range(cfg.n_layers)])
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-
-    loss_scale: float = 1.0
-
-    def moe_layers(self) -> list[MoE]:
-        return [block.feed_forward for block in self.layers.values() if block.moe]
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
