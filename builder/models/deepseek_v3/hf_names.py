@@ -16,7 +16,8 @@ No torch import: titan-build's cache-hit path writes the record.
 from __future__ import annotations
 
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
-from titan.runtime.contract.hf_record import ROPE_PREFIX, STACK_INDEX, HFRecord
+from titan.builder.models.hf_names import hf_name as shared_hf_name, stacked_expert_names
+from titan.runtime.contract.hf_record import ROPE_PREFIX, HFRecord
 
 _BLOCK_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -39,13 +40,6 @@ _BLOCK_NAMES = {
     "feed_forward.gate.weight": "mlp.gate.weight",
     "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
 }
-_STACKED_NAMES = {
-    "feed_forward.w1": f"mlp.experts.{STACK_INDEX}.gate_proj.weight",
-    "feed_forward.w2": f"mlp.experts.{STACK_INDEX}.down_proj.weight",
-    "feed_forward.w3": f"mlp.experts.{STACK_INDEX}.up_proj.weight",
-}
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
 # transformers.DeepseekV3Config arguments that say how to build the module, not what a
 # checkpoint holds (a published config.json may lack them): not checked against checkpoints.
 _MODULE_ONLY = ("rope_interleave", "tie_word_embeddings")
@@ -78,11 +72,8 @@ def hf_config_kwargs(cfg: DeepSeekV3Config) -> dict:
 
 
 def hf_name(fqn: str) -> str:
-    """The checkpoint tensor of a parameter or balancing bias that is not stacked."""
-    if fqn in _TOP_NAMES:
-        return _TOP_NAMES[fqn]
-    _, layer, rest = fqn.split(".", 2)
-    return f"model.layers.{layer}.{_BLOCK_NAMES[rest]}"
+    """The checkpoint tensor of a parameter that is not stacked."""
+    return shared_hf_name(fqn, _BLOCK_NAMES)
 
 
 def hf_checkpoint(cfg: DeepSeekV3Config, fqns: list[str]) -> HFRecord:
@@ -92,11 +83,7 @@ def hf_checkpoint(cfg: DeepSeekV3Config, fqns: list[str]) -> HFRecord:
     config["rope_theta"] = rope["rope_theta"]
     config.update({ROPE_PREFIX + k: v for k, v in rope.items() if k != "rope_theta"})
     biases = [f"layers.{i}.{BALANCING_BIAS}" for i in range(cfg.n_dense_layers, cfg.n_layers)]
-    stacked = {}
-    for fqn in fqns:
-        _, layer, rest = fqn.split(".", 2) if fqn.startswith("layers.") else ("", "", "")
-        if rest in _STACKED_NAMES:
-            stacked[fqn] = f"model.layers.{layer}.{_STACKED_NAMES[rest]}"
+    stacked = stacked_expert_names(fqns)
     return HFRecord(
         model_type="deepseek_v3",
         architectures=("DeepseekV3ForCausalLM",),

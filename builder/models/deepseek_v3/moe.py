@@ -6,14 +6,14 @@ ranks, see builder/models/moe/dispatch.py) and shared experts.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from titan.builder.models.decoder import SwiGLU
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
-from titan.builder.models.moe.dispatch import DispatchPlan, dispatch_and_combine
+from titan.builder.models.moe.dispatch import dispatch_and_combine
 from titan.builder.models.moe.load import global_load
+from titan.builder.models.moe.layer import add_dispatch_state, add_router_and_experts
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, cfg: DeepSeekV3Config
@@ -57,19 +57,10 @@ class MoE(nn.Module):
         self.cfg = cfg
         e, d, h = cfg.n_routed_experts, cfg.dim, cfg.moe_hidden
         self.n_experts, self.top_k = e, cfg.top_k
-        self.gate = nn.Linear(d, e, bias=False)
-        # Stacked expert weights, (experts, out, in) like nn.Linear's, so a slice on dim 0 is
-        # one rank's experts.
-        self.w1 = nn.Parameter(torch.empty(e, h, d))
-        self.w2 = nn.Parameter(torch.empty(e, d, h))
-        self.w3 = nn.Parameter(torch.empty(e, h, d))
+        add_router_and_experts(self, experts=e, dim=d, hidden=h)
         self.shared_experts = SwiGLU(d, h * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
-        self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.int64))
-        self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64))
-        self.plan: DispatchPlan | None = None
-        self.ep_group: dist.ProcessGroup | None = None
-        self.load_groups: tuple[dist.ProcessGroup, ...] = ()
+        add_dispatch_state(self, experts=e)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.plan is not None, "set MoE.plan (the static dispatch sizes) before running the model"

@@ -8,6 +8,7 @@ reads checkpoints (--init-from-hf) and titan-export writes them from it alone.
 from __future__ import annotations
 
 from titan.builder.models.llama3.config import LlamaConfig
+from titan.builder.models.hf_names import TOP_NAMES, hf_name as shared_hf_name
 from titan.runtime.contract.hf_record import HFRecord
 
 _BLOCK_NAMES = {
@@ -21,19 +22,13 @@ _BLOCK_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-              "norm.weight": "model.norm.weight"}
 # HF stores q_proj / k_proj rows permuted for its rotate-half RoPE (titan's pairs are interleaved).
 _ROPE_PERMUTED = ("attention.wq.weight", "attention.wk.weight")
 
 
 def hf_name(fqn: str) -> str:
     """The Hugging Face tensor that holds titan parameter `fqn`."""
-    if fqn in _TOP_NAMES:
-        return _TOP_NAMES[fqn]
-    parts = fqn.split(".")
-    assert parts[0] == "layers" and len(parts) >= 4, fqn
-    return f"model.layers.{parts[1]}.{_BLOCK_NAMES['.'.join(parts[2:])]}"
+    return shared_hf_name(fqn, _BLOCK_NAMES)
 
 
 def hf_checkpoint(cfg: LlamaConfig, fqns: list[str]) -> HFRecord:
@@ -48,6 +43,6 @@ def hf_checkpoint(cfg: LlamaConfig, fqns: list[str]) -> HFRecord:
         },
         names={fqn: hf_name(fqn) for fqn in fqns},
         # With tie_word_embeddings the output projection is the embedding.
-        tied_names={"output.weight": _TOP_NAMES["tok_embeddings.weight"]},
+        tied_names={"output.weight": TOP_NAMES["tok_embeddings.weight"]},
         rope_permuted={fqn: cfg.head_dim for fqn in fqns if fqn.endswith(_ROPE_PERMUTED)},
     )

@@ -17,7 +17,8 @@ No torch import: titan-build's cache-hit path writes the record.
 from __future__ import annotations
 
 from titan.builder.models.qwen3.config import Qwen3Config
-from titan.runtime.contract.hf_record import STACK_INDEX, HFRecord
+from titan.builder.models.hf_names import hf_name as shared_hf_name, stacked_expert_names
+from titan.runtime.contract.hf_record import HFRecord
 
 _BLOCK_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -33,13 +34,6 @@ _BLOCK_NAMES = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.gate.weight": "mlp.gate.weight",
 }
-_STACKED_NAMES = {
-    "feed_forward.w1": f"mlp.experts.{STACK_INDEX}.gate_proj.weight",
-    "feed_forward.w2": f"mlp.experts.{STACK_INDEX}.down_proj.weight",
-    "feed_forward.w3": f"mlp.experts.{STACK_INDEX}.up_proj.weight",
-}
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
 # Rows (entries) in rotate-half order within each head in a Hugging Face checkpoint.
 _ROPE_PERMUTED = ("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight", "attention.k_norm.weight")
 
@@ -63,20 +57,13 @@ def hf_config_kwargs(cfg: Qwen3Config) -> dict:
 
 def hf_name(fqn: str) -> str:
     """The checkpoint tensor of a parameter that is not stacked."""
-    if fqn in _TOP_NAMES:
-        return _TOP_NAMES[fqn]
-    _, layer, rest = fqn.split(".", 2)
-    return f"model.layers.{layer}.{_BLOCK_NAMES[rest]}"
+    return shared_hf_name(fqn, _BLOCK_NAMES)
 
 
 def hf_checkpoint(cfg: Qwen3Config, fqns: list[str]) -> HFRecord:
     config = hf_config_kwargs(cfg)
     config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
-    stacked = {}
-    for fqn in fqns:
-        _, layer, rest = fqn.split(".", 2) if fqn.startswith("layers.") else ("", "", "")
-        if rest in _STACKED_NAMES:
-            stacked[fqn] = f"model.layers.{layer}.{_STACKED_NAMES[rest]}"
+    stacked = stacked_expert_names(fqns)
     return HFRecord(
         model_type="qwen3_moe" if cfg.moe else "qwen3",
         architectures=("Qwen3MoeForCausalLM" if cfg.moe else "Qwen3ForCausalLM",),

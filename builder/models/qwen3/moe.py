@@ -8,13 +8,13 @@ bias; transformers adds a load-balancing auxiliary loss only when asked for rout
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from titan.builder.models.moe.dispatch import DispatchPlan, dispatch_and_combine
+from titan.builder.models.moe.dispatch import dispatch_and_combine
 from titan.builder.models.moe.load import global_load
 from titan.builder.models.qwen3.config import Qwen3Config
+from titan.builder.models.moe.layer import add_dispatch_state, add_router_and_experts
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int, norm_topk_prob: bool
@@ -41,17 +41,8 @@ class MoE(nn.Module):
         super().__init__()
         e, d, h = cfg.n_experts, cfg.dim, cfg.moe_hidden
         self.n_experts, self.top_k, self.norm_topk_prob = e, cfg.top_k, cfg.norm_topk_prob
-        self.gate = nn.Linear(d, e, bias=False)
-        # Stacked expert weights, (experts, out, in) like nn.Linear's: a slice on dim 0 is one
-        # rank's experts.
-        self.w1 = nn.Parameter(torch.empty(e, h, d))
-        self.w2 = nn.Parameter(torch.empty(e, d, h))
-        self.w3 = nn.Parameter(torch.empty(e, h, d))
-        self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.int64))
-        self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64))
-        self.plan: DispatchPlan | None = None
-        self.ep_group: dist.ProcessGroup | None = None
-        self.load_groups: tuple[dist.ProcessGroup, ...] = ()
+        add_router_and_experts(self, experts=e, dim=d, hidden=h)
+        add_dispatch_state(self, experts=e)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.plan is not None, "set MoE.plan (the static dispatch sizes) before running the model"
