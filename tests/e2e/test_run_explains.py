@@ -72,9 +72,10 @@ def test_a_run_that_cannot_fit_the_host_is_refused_before_any_rank_starts(tmp_pa
     for command in ("run", "verify"):
         r = titan(command, huge, "--steps", 1)
         assert r.returncode == 2 and r.stdout == "", r.stdout
-        assert re.fullmatch(r"error: the 1 rank\(s\) need at least 572\.2 GiB \(parameters, gradients, AdamW state and "
-                            r"saved activations\) but this host has [\d.]+ GiB, which its ranks share; build a smaller "
-                            r"model \(e\.g\. --flavor debug\) or batch, or run it on GPUs\n", r.stderr), r.stderr
+        assert re.fullmatch(r"error: the 1 rank\(s\) need at least 458\.2 GiB \(0\.4 GiB per process, parameters, "
+                            r"gradients, AdamW state and saved activations\) but this host has [\d.]+ GiB, which its "
+                            r"ranks share; build a smaller model \(e\.g\. --flavor debug\), layout or batch, or run it on "
+                            r"GPUs\n", r.stderr), r.stderr
 
 
 def test_the_job_start_is_torchruns_for_its_ranks_and_the_process_start_otherwise():

@@ -113,7 +113,7 @@ GRAPH_CASES = {
     "val shape with a string": ("single", _set_val("call", shape=["x"]), "shape ['x'] is not a list"),
     "val shape negative": ("single", _set_val("call", shape=[-1, 2], stride=[2, 1]), "shape [-1, 2] is not"),
     "val shape of 2^40 elements": ("single", _set_val("call", shape=[1 << 20, 1 << 20], stride=[1 << 20, 1]),
-                                   "over 2^34"),
+                                   "over the bound of 8,589,934,592 for one node's output"),
     "val shape not a list": ("single", _set_val("call", shape=5), "shape 5 is not a list"),
     "val stride of another rank": ("single", lambda doc: doc["nodes"][_first_call(doc)]["val"]["stride"].append(1),
                                    "different lengths"),
