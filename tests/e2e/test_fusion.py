@@ -64,7 +64,7 @@ def test_kernel_store_serves_intact_plans_only_and_gc_goes_by_last_use(tmp_path)
     assert all(store.load(key) is not None for key in keys)
     assert "kernels: 3 compiled regions" in titan("cache", "ls", env=env).stdout
     # An edited kernel fails the digest its authenticated record holds: never served (compiled again).
-    sha = json.loads((kernels / "kernels" / f"{keys[0]}.json").read_text())["record"]["sha256"]
+    sha = cache_record(kernels / "kernels" / f"{own(keys[0])}.json")["sha256"]
     victim = kernels / "blobs" / sha[:2] / sha
     data = victim.read_bytes()
     victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
@@ -80,7 +80,7 @@ def test_kernel_store_serves_intact_plans_only_and_gc_goes_by_last_use(tmp_path)
     assert KernelStore(kernels).load(keys[1]) is not None
     gc = titan("cache", "gc", "--older-than", "1d", env=env)
     assert gc.returncode == 0 and "removed 1 compiled kernels" in gc.stdout, gc.stdout
-    assert sorted(p.stem for p in (kernels / "kernels").glob("*.json")) == [keys[1]]
+    assert sorted(p.stem for p in (kernels / "kernels").glob("*.json")) == [own(keys[1])]
 
 
 def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact):
