@@ -1,8 +1,10 @@
 """Fuzzing the artifact loader: mutated graph blobs, graph documents, manifests and rank
 metadata (with hashes recomputed, as a crafted artifact would have them), and hostile kernel
-plans (runtime/kernels/kernel_plan.py). Every case must end in a clear error (a ValueError subclass) or
+plans (runtime/kernels/kernel_plan.py), and tampered, forged, moved or planted content-store records
+(runtime/store/record.py). Every case must end in a clear error (a ValueError subclass) or
 a well-formed load: no other exception, no hang over 5 s, no code from the artifact executed,
-and (plans) no more than PLAN_PEAK_BYTES allocated while decoding one.
+and (plans, records) bounded memory while decoding one. A record is served only unchanged (as this
+user's key signed it at that name), else refused with a one-line reason or a one-line StoreError.
 
 TITAN_FUZZ_EXAMPLES sets the examples per strategy (CI runs a fast slice)."""
 
