@@ -79,6 +79,10 @@ def expect_clean(category: str, fn, *args, **kwargs):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+    _write_report()
+
+
+def _write_report() -> None:
     if REPORT:  # long runs: the table so far, readable while the run goes on
         with open(REPORT, "w") as f:
             json.dump(OUTCOMES, f, indent=1, sort_keys=True)
@@ -568,12 +572,11 @@ def _read_records(category: str, store, name: str) -> tuple[dict | None, str]:
         tracemalloc.stop()
 
 
-def _expect_record_outcome(category: str, store, name: str, servable: bytes | None) -> None:
+def _record_outcome(category: str, store, name: str, servable: bytes | None) -> str:
     """Served unchanged (only a record this user's key signed at that name), refused with a
     reason, or a one-line StoreError; any other exception, or 5 s, fails."""
     from titan.runtime.store.content_store import StoreError
 
-    counts = OUTCOMES.setdefault(category, {"accepted": 0, "rejected": 0})
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(5)
     try:
@@ -582,19 +585,23 @@ def _expect_record_outcome(category: str, store, name: str, servable: bytes | No
         pytest.fail("record read hung for over 5 s")
     except StoreError as e:
         assert str(e) and "\n" not in str(e), f"a StoreError is one line: {e!r}"
-        counts["rejected"] += 1
-        return
+        return "rejected"
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     if record is not None:
         assert servable is not None and record == json.loads(servable[servable.index(b"\n") + 1:]), \
             f"{category}: served a record that was not genuine"
-        counts["accepted"] += 1
-    else:
-        assert category != "cache record: untouched", f"refused the untouched record: {why}"
-        assert why and "\n" not in why, f"{category}: refused without a one-line reason: {why!r}"
-        counts["rejected"] += 1
+        return "accepted"
+    assert category != "cache record: untouched", f"refused the untouched record: {why}"
+    assert why and "\n" not in why, f"{category}: refused without a one-line reason: {why!r}"
+    return "rejected"
+
+
+def _expect_record_outcome(category: str, store, name: str, servable: bytes | None) -> None:
+    outcome = _record_outcome(category, store, name, servable)
+    OUTCOMES.setdefault(category, {"accepted": 0, "rejected": 0})[outcome] += 1
+    _write_report()
 
 
 @FUZZ
