@@ -1,8 +1,10 @@
 """Fuzzing the artifact loader: mutated graph blobs, graph documents, manifests and rank
 metadata (with hashes recomputed, as a crafted artifact would have them), and hostile kernel
-plans (runtime/kernels/kernel_plan.py). Every case must end in a clear error (a ValueError subclass) or
+plans (runtime/kernels/kernel_plan.py), and tampered, forged, moved or planted content-store records
+(runtime/store/record.py). Every case must end in a clear error (a ValueError subclass) or
 a well-formed load: no other exception, no hang over 5 s, no code from the artifact executed,
-and (plans) no more than PLAN_PEAK_BYTES allocated while decoding one.
+and (plans, records) bounded memory while decoding one. A record is served only unchanged (as this
+user's key signed it at that name), else refused with a one-line reason or a one-line StoreError.
 
 TITAN_FUZZ_EXAMPLES sets the examples per strategy (CI runs a fast slice)."""
 
@@ -77,6 +79,10 @@ def expect_clean(category: str, fn, *args, **kwargs):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+    _write_report()
+
+
+def _write_report() -> None:
     if REPORT:  # long runs: the table so far, readable while the run goes on
         with open(REPORT, "w") as f:
             json.dump(OUTCOMES, f, indent=1, sort_keys=True)
@@ -454,6 +460,179 @@ def test_plan_decoding_memory_stayed_bounded():
     if PLAN_PEAKS:
         print(f"fuzz kernel plans: {len(PLAN_PEAKS)} decoded, peak {max(PLAN_PEAKS) / 2**20:.1f} MiB allocated")
         assert max(PLAN_PEAKS) <= PLAN_PEAK_BYTES
+
+
+# --- content-store records -------------------------------------------------------------------------
+RECORD_PEAK_BYTES = 2 << 20
+"""Most the reads of one example may allocate when its record file is small (the reader's 1 MiB
+read buffer, then a hash): every mutation but an oversized or a signed large one."""
+LARGE_RECORD_PEAK_BYTES = 8 * (4 << 20)
+"""... and when it is up to MAX_RECORD_BYTES (4 MiB): today the chunks read, their join and the
+body's slice (3 copies), then (signed only) its parsed value: a signed `[0,0,...]` of 4 MiB parses
+to a 2M-item list (~28 MiB in all) before it is refused as not a record, as the density check
+counts lists, objects and strings but not numbers."""
+RECORD_PEAKS: dict[str, int] = {}
+"""Per mutation, the most one example's reads allocated."""
+RECORD_KIND = "entries"
+SHA = st.text("0123456789abcdef", min_size=64, max_size=64)
+RECORD_VALUE = st.recursive(st.one_of(JSON_JUNK, SHA), lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)), max_leaves=12)
+RECORD_NAME = st.from_regex(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,20}", fullmatch=True)
+# "untouched" last: Hypothesis leans to a list's first element.
+RECORD_MUTATIONS = ["flip", "truncate", "insert", "forged mac", "bad header", "signed junk", "oversized",
+                    "renamed key", "renamed uid", "special", "untouched"]
+BAD_HEADERS = [b"titan-record-v1 ", b"titan-record-v2", b"TITAN-RECORD-V2 ", b"titan-record-v3 ", b"",
+               b"\xef\xbb\xbftitan-record-v2 ", b" titan-record-v2 "]
+
+
+def _signed_junk(data) -> bytes:
+    """A body signed with this user's key (what a bug, or a stolen key, could produce): the
+    parse after authentication must still be bounded in depth, density and size."""
+    from titan.runtime.store.record import MAX_RECORD_BYTES
+
+    n = data.draw(st.sampled_from([10, 1000, 100_000, (MAX_RECORD_BYTES - 100) // 2]))
+    return data.draw(st.sampled_from([
+        b"[" * n + b"]" * n, b'{"a":' * n + b"0" + b"}" * n, b"[" + b"0," * n + b"0]", b"[" + b"[]," * (n // 2) + b"[]]",
+        b'{"x":"' + b"a" * (2 * n) + b'"}', b"[" + b"{}," * (n // 2) + b"{}]", b"null", b"[]", b"1e999999",
+        b'"\\ud800"', b"\xff\xfe", b"{\"a\": NaN}", b"{" + b'"k":0,' * (n // 3) + b'"k":1}']))
+
+
+def _mutate_record(store, path, name: str, data) -> tuple[str, str, bytes | None]:
+    """Change the genuine record file at `path` (of `name`) as an attacker or a fault could; the
+    (how, name to read, the file's bytes if they may be served: untouched, or signed with this
+    user's key; else None)."""
+    from titan.runtime.store.record import HEADER, MAX_RECORD_BYTES
+    from titan.runtime.store.signing import record_mac
+
+    genuine = path.read_bytes()
+    blob = bytearray(genuine)
+    body = genuine[genuine.index(b"\n") + 1:]
+    how = data.draw(st.sampled_from(RECORD_MUTATIONS))
+    if how == "untouched":
+        return how, name, genuine
+    if how == "flip":
+        for pos in data.draw(st.lists(st.integers(0, len(blob) - 1), min_size=1, max_size=8)):
+            blob[pos] ^= data.draw(st.integers(1, 255))
+    elif how == "truncate":
+        blob = blob[:data.draw(st.integers(0, len(blob) - 1))]
+    elif how == "insert":
+        pos = data.draw(st.integers(0, len(blob)))
+        blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
+    elif how == "forged mac":
+        mac = data.draw(st.one_of(SHA, st.sampled_from([record_mac(RECORD_KIND, name + "x", body),
+                                                         record_mac("ranks", name, body), "0" * 64])))
+        other = json.dumps(data.draw(RECORD_VALUE)).encode()
+        blob = bytearray(HEADER + mac.encode() + b"\n" + data.draw(st.sampled_from([body, other])))
+    elif how == "bad header":
+        mac = genuine[len(HEADER):len(HEADER) + 64]
+        mac = data.draw(st.sampled_from([mac, mac.upper(), mac[:63], mac + b"0", b""]))
+        blob = bytearray(data.draw(st.sampled_from(BAD_HEADERS)) + mac
+                         + data.draw(st.sampled_from([b"\n", b"\r\n", b" \n", b""])) + body)
+    elif how == "signed junk":
+        junk = _signed_junk(data)
+        blob = HEADER + record_mac(RECORD_KIND, name, junk).encode() + b"\n" + junk
+        path.write_bytes(blob)
+        return how, name, blob  # signed with this user's key: served if it parses within bounds
+    elif how == "oversized":
+        size = data.draw(st.sampled_from([MAX_RECORD_BYTES, MAX_RECORD_BYTES + 1, 64 << 20, 1 << 40]))
+        with open(path, "r+b") as f:
+            f.truncate(size)  # sparse: the genuine header and body, then zeros
+        return how, name, None
+    elif how == "renamed key":
+        other = data.draw(RECORD_NAME.filter(lambda n: n != name))
+        os.replace(path, path.with_name(f"{other}@{store.uid}.json"))
+        return how, other, None
+    elif how == "renamed uid":
+        uid = data.draw(st.sampled_from([u for u in (0, 1, 65534, store.uid + 1, 2 ** 32 - 1) if u != store.uid]))
+        moved = path.with_name(f"{name}@{uid}.json")
+        os.replace(path, moved)
+        if data.draw(st.booleans()) and os.geteuid() == 0:
+            os.chown(moved, uid, -1)  # owned as named: read as that user's own, unauthenticated
+        return how, data.draw(st.sampled_from([name, f"{name}@{uid}"])), None
+    else:
+        special = data.draw(st.sampled_from(SPECIAL))
+        _make_special(path, special, path.parent.parent)
+        return f"special: {special}", name, None
+    path.write_bytes(bytes(blob))
+    if bytes(blob) == genuine:  # e.g. a byte flipped twice
+        return "untouched", name, genuine
+    return how, name, None
+
+
+def _read_records(category: str, store, name: str) -> tuple[dict | None, str]:
+    """What a build and a maintenance pass read of one kind's records, under tracemalloc."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        state = store.record_state(RECORD_KIND, name)
+        store.record_names(RECORD_KIND, strays=[])
+        store.foreign_blob_refs()
+        return state
+    finally:
+        RECORD_PEAKS[category] = max(RECORD_PEAKS.get(category, 0), tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+def _record_outcome(category: str, store, name: str, servable: bytes | None) -> str:
+    """Served unchanged (only a record this user's key signed at that name), refused with a
+    reason, or a one-line StoreError; any other exception, or 5 s, fails."""
+    from titan.runtime.store.content_store import StoreError
+
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(5)
+    try:
+        record, why = _read_records(category, store, name)
+    except _Hang:
+        pytest.fail("record read hung for over 5 s")
+    except StoreError as e:
+        assert str(e) and "\n" not in str(e), f"a StoreError is one line: {e!r}"
+        return "rejected"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    if record is not None:
+        assert servable is not None and record == json.loads(servable[servable.index(b"\n") + 1:]), \
+            f"{category}: served a record that was not genuine"
+        return "accepted"
+    assert category != "cache record: untouched", f"refused the untouched record: {why}"
+    assert why and "\n" not in why, f"{category}: refused without a one-line reason: {why!r}"
+    return "rejected"
+
+
+def _expect_record_outcome(category: str, store, name: str, servable: bytes | None) -> None:
+    outcome = _record_outcome(category, store, name, servable)
+    OUTCOMES.setdefault(category, {"accepted": 0, "rejected": 0})[outcome] += 1
+    _write_report()
+
+
+@FUZZ
+@given(data=st.data())
+def test_cache_record_mutations(tmp_path_factory, data):
+    from titan.runtime.store.content_store import ContentStore
+
+    store = ContentStore(tmp_path_factory.mktemp("records") / "cache", record_kinds=(RECORD_KIND,))
+    try:
+        name = data.draw(RECORD_NAME)
+        record = data.draw(st.dictionaries(st.text(max_size=8), RECORD_VALUE, min_size=1, max_size=6))
+        store.put_record(RECORD_KIND, name, record)
+        path = store.root / RECORD_KIND / f"{name}@{store.uid}.json"
+        how, read_as, servable = _mutate_record(store, path, name, data)
+        _expect_record_outcome(f"cache record: {how}", store, read_as, servable)
+    finally:
+        store.close()
+
+
+def test_record_reading_memory_stayed_bounded():
+    # Runs after the record strategy (file order).
+    from titan.runtime.store.record import MAX_RECORD_BYTES
+
+    assert LARGE_RECORD_PEAK_BYTES == 8 * MAX_RECORD_BYTES
+    for category, peak in sorted(RECORD_PEAKS.items()):
+        print(f"fuzz {category}: peak {peak / 2**20:.1f} MiB allocated")
+    for category, peak in RECORD_PEAKS.items():
+        large = category in ("cache record: oversized", "cache record: signed junk")
+        assert peak <= (LARGE_RECORD_PEAK_BYTES if large else RECORD_PEAK_BYTES), category
 
 
 def test_outcome_counts_are_reported():
