@@ -127,3 +127,21 @@ def debug_artifact(tmp_path_factory):
         return built[key]
 
     return get
+
+
+def hf_round_trip(art: Path, hf_dir: Path, tmp_path: Path) -> Path:
+    """Start `art` from the Hugging Face checkpoint in `hf_dir` (--steps 0 writes the initial
+    state), export that checkpoint with titan-export, and check that every tensor came back bit
+    for bit; returns the exported directory."""
+    from safetensors.torch import load_file
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
+    r = titan("run", art, "--init-from-hf", hf_dir, "--steps", 0, "--checkpoint-dir", ckpt)
+    assert r.returncode == 0, r.stderr
+    r = titan("export", ckpt, "--hf", out)
+    assert r.returncode == 0, r.stderr
+    original, written = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == written.keys()
+    assert all(torch.equal(original[k], written[k]) for k in original)
+    return out
+

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import param_spec, read_metrics, titan
+from conftest import hf_round_trip, param_spec, read_metrics, titan
 from deepseek_debug import CFG, debug_batch, run_ep_ranks
 from hf_deepseek import hf_debug, hf_loss, read_through_record, titan_loss, transformers  # noqa: F401 (a fixture)
 from titan.builder.models.deepseek_v3 import SPEC
@@ -50,17 +50,8 @@ def test_export_round_trip_with_two_expert_parallel_ranks(hf_debug, debug_artifa
     (each rank holds half the experts) -> `titan-export`: every tensor of the checkpoint comes
     back bit for bit, one tensor per expert and the balancing bias included, and transformers
     loads the written directory to the same loss."""
-    from safetensors.torch import load_file
-
     path, expected = hf_debug
-    art, ckpt, out = debug_artifact(extra=EP2), tmp_path / "ckpt", tmp_path / "exported"
-    r = titan("run", art, "--init-from-hf", path, "--steps", 0, "--checkpoint-dir", ckpt)
-    assert r.returncode == 0, r.stderr
-    r = titan("export", ckpt, "--hf", out)
-    assert r.returncode == 0, r.stderr
-    original, written = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
-    assert original.keys() == written.keys()
-    assert all(torch.equal(original[k], written[k]) for k in original)
+    out = hf_round_trip(debug_artifact(extra=EP2), path, tmp_path)
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager")
     assert torch.equal(hf_loss(model.eval(), debug_batch()), expected)
 

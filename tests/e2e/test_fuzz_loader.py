@@ -413,13 +413,8 @@ def test_hostile_kernel_plan_fields(data):
     expect_clean(f"kernel plan: hostile {how}", _decode_bounded, _plan_bytes(doc, cubins))
 
 
-@FUZZ
-@given(data=st.data())
-def test_kernel_plan_byte_level_mutations(data):
-    from titan.runtime.kernels.kernel_plan import encode_plan
-
-    blob = bytearray(encode_plan(_seed_plan(data)))
-    how = data.draw(st.sampled_from(["flip", "truncate", "insert", "length"]))
+def _mutate_bytes(blob: bytearray, how: str, data) -> bytearray:
+    """One of the byte-level mutations the plan and record strategies share."""
     if how == "flip":
         for pos in data.draw(st.lists(st.integers(0, len(blob) - 1), min_size=1, max_size=8)):
             blob[pos] ^= data.draw(st.integers(1, 255))
@@ -428,6 +423,18 @@ def test_kernel_plan_byte_level_mutations(data):
     elif how == "insert":
         pos = data.draw(st.integers(0, len(blob)))
         blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
+    return blob
+
+
+@FUZZ
+@given(data=st.data())
+def test_kernel_plan_byte_level_mutations(data):
+    from titan.runtime.kernels.kernel_plan import encode_plan
+
+    blob = bytearray(encode_plan(_seed_plan(data)))
+    how = data.draw(st.sampled_from(["flip", "truncate", "insert", "length"]))
+    if how in ("flip", "truncate", "insert"):
+        blob = _mutate_bytes(blob, how, data)
     else:  # the header length itself
         from titan.runtime.kernels.kernel_plan import MAGIC
         blob[len(MAGIC):len(MAGIC) + 4] = data.draw(st.integers(0, 2**32 - 1)).to_bytes(4, "big")
@@ -510,14 +517,8 @@ def _mutate_record(store, path, name: str, data) -> tuple[str, str, bytes | None
     how = data.draw(st.sampled_from(RECORD_MUTATIONS))
     if how == "untouched":
         return how, name, genuine
-    if how == "flip":
-        for pos in data.draw(st.lists(st.integers(0, len(blob) - 1), min_size=1, max_size=8)):
-            blob[pos] ^= data.draw(st.integers(1, 255))
-    elif how == "truncate":
-        blob = blob[:data.draw(st.integers(0, len(blob) - 1))]
-    elif how == "insert":
-        pos = data.draw(st.integers(0, len(blob)))
-        blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
+    if how in ("flip", "truncate", "insert"):
+        blob = _mutate_bytes(blob, how, data)
     elif how == "forged mac":
         mac = data.draw(st.one_of(SHA, st.sampled_from([record_mac(RECORD_KIND, name + "x", body),
                                                          record_mac("ranks", name, body), "0" * 64])))

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import param_spec, read_metrics, titan
+from conftest import hf_round_trip, param_spec, read_metrics, titan
 from titan.builder.models.moe.expert_parallel import set_dispatch
 from titan.builder.models.qwen3 import SPEC
 from titan.builder.models.qwen3.hf_names import hf_config_kwargs
@@ -182,18 +182,10 @@ def test_hf_round_trip_is_bit_exact_and_the_first_step_matches(name, hf_checkpoi
     `titan-export`: every tensor back bit for bit, a tied checkpoint written tied, and
     transformers loads it to the same loss. Then one step from the checkpoint on a token file:
     titan-run's first loss is transformers' on the same global batch to RTOL."""
-    from safetensors.torch import load_file
-
     flavor, layout = LAYOUTS[name]
     path, expected = hf_checkpoints[flavor]
-    art, ckpt, out = qwen3_artifact(name), tmp_path / "ckpt", tmp_path / "exported"
-    r = titan("run", art, "--init-from-hf", path, "--steps", 0, "--checkpoint-dir", ckpt)
-    assert r.returncode == 0, r.stderr
-    r = titan("export", ckpt, "--hf", out)
-    assert r.returncode == 0, r.stderr
-    original, written = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
-    assert original.keys() == written.keys()
-    assert all(torch.equal(original[k], written[k]) for k in original)
+    art = qwen3_artifact(name)
+    out = hf_round_trip(art, path, tmp_path)
     config_cls, model_cls = HF_CLASSES[flavor]
     exported = getattr(transformers, model_cls).from_pretrained(out, attn_implementation="eager").eval()
     assert exported.config.tie_word_embeddings == SPEC.flavors[flavor].tie_embeddings
