@@ -12,12 +12,16 @@ launcher reports, and it dies with its launcher even when that is killed
 
 import os as _os
 
-from titan.runtime.common import compiler_caches as _compiler_caches
-from titan.runtime.common import interrupt as _interrupt
-from titan.runtime.common import parent_death as _parent_death
+# Ctrl-C handling first: a signal that lands while the rest of this package imports is then
+# titan's one `interrupted` line, not a KeyboardInterrupt traceback.
+from titan.runtime.common import interrupt as _interrupt  # noqa: E402
+
+_interrupt.install(quiet="RANK" in _os.environ)
+
+from titan.runtime.common import compiler_caches as _compiler_caches  # noqa: E402
+from titan.runtime.common import parent_death as _parent_death  # noqa: E402
 
 _parent_death.from_environment()
-_interrupt.install(quiet="RANK" in _os.environ)
 # Before torch is imported: the caches of the compilers titan drives are private to the user
 # (runtime/common/compiler_caches.py says why; the commands that compile report a problem in one line).
 _compiler_caches.install()
