@@ -23,11 +23,18 @@ def bf16_peak(device_name: str) -> float | None:
     return next((peak for name, peak in BF16_PEAK.items() if name in device_name), None)
 
 
-def flops_per_token(manifest: Manifest, params: tuple[ParamSpec, ...]) -> float:
-    """Training FLOPs per token. The embedding is a lookup (no FLOPs); a routed expert's weights
-    count for the share of experts a token goes to (top_k of n_routed_experts)."""
+def _size(cfg: dict, key: str) -> int | None:
+    value = cfg.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def flops_per_token(manifest: Manifest, params: tuple[ParamSpec, ...]) -> float | None:
+    """Training FLOPs per token, or None when the artifact's model config lacks a size the count
+    needs (the manifest admits any plain values: a summary line must not trust them). The
+    embedding is a lookup (no FLOPs); a routed expert's weights count for the share of experts a
+    token goes to (top_k of n_routed_experts)."""
     cfg = manifest.model_config
-    experts, top_k = cfg.get("n_routed_experts"), cfg.get("top_k")
+    experts, top_k = _size(cfg, "n_routed_experts"), _size(cfg, "top_k")
     active = 0.0
     for p in params:
         if p.fqn.startswith("tok_embeddings."):
@@ -36,9 +43,15 @@ def flops_per_token(manifest: Manifest, params: tuple[ParamSpec, ...]) -> float:
         if experts and top_k and len(p.global_shape) == 3 and p.global_shape[0] == experts:
             n *= top_k / experts
         active += n
-    width = cfg["n_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) if "qk_rope_head_dim" in cfg \
-        else cfg["dim"]
-    return 6 * active + 12 * cfg["n_layers"] * width * manifest.seq_len
+    if "qk_rope_head_dim" in cfg:
+        heads, nope, rope = (_size(cfg, k) for k in ("n_heads", "qk_nope_head_dim", "qk_rope_head_dim"))
+        width = heads * (nope + rope) if heads and nope and rope else None
+    else:
+        width = _size(cfg, "dim")
+    layers = _size(cfg, "n_layers")
+    if width is None or layers is None:
+        return None
+    return 6 * active + 12 * layers * width * manifest.seq_len
 
 
 def mfu_text(manifest: Manifest, params: tuple[ParamSpec, ...], *, tokens_per_s: float, device_name: str) -> str:
@@ -46,5 +59,8 @@ def mfu_text(manifest: Manifest, params: tuple[ParamSpec, ...], *, tokens_per_s:
     peak = bf16_peak(device_name)
     if peak is None or manifest.dtype != "bfloat16" or tokens_per_s <= 0:
         return ""
-    mfu = tokens_per_s * flops_per_token(manifest, params) / (manifest.world_size * peak)
+    flops = flops_per_token(manifest, params)
+    if flops is None:
+        return ""
+    mfu = tokens_per_s * flops / (manifest.world_size * peak)
     return f"MFU {100 * mfu:.0f}% of {device_name}'s dense bf16 peak"

@@ -98,8 +98,13 @@ def ensure() -> Path:
 
 def system_tmp() -> str:
     """The temp directory before install(): for what must stay short there (the build's fork
-    server socket: a Unix socket path has at most 107 bytes)."""
-    return _system_tmp or os.environ.get("TMPDIR") or "/tmp"
+    server socket: a Unix socket path has at most 107 bytes). An inherited TMPDIR this user cannot
+    write (another user's private one, kept by sudo or su) gives way to /tmp, as tempfile would."""
+    inherited = _system_tmp or os.environ.get("TMPDIR")
+    for candidate in (inherited, "/tmp", "/var/tmp"):
+        if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK):
+            return candidate
+    return inherited or "/tmp"
 
 
 def _make(root: Path) -> None:

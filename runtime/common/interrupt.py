@@ -182,6 +182,8 @@ def _exit(signum: int) -> None:
 
 def _is_worker() -> bool:
     """A multiprocessing child (a build's trace worker): its name is set before it imports
-    anything of titan's."""
-    mp = sys.modules.get("multiprocessing")
-    return mp is not None and mp.current_process().name != "MainProcess"
+    anything of titan's. The signal may land while multiprocessing itself is half imported (its
+    names not bound yet): then this process has started no worker and is none."""
+    process = sys.modules.get("multiprocessing.process")
+    current = getattr(process, "_current_process", None)
+    return getattr(current, "name", "MainProcess") != "MainProcess"

@@ -22,11 +22,17 @@ MAX_CONFIG_LIST = 1 << 12
 """The longest list a config value may be (layer numbers)."""
 
 
-def _config_value(v) -> bool:
-    """A scalar, or a bounded list of integers."""
-    if isinstance(v, list):
+MAX_CONFIG_STR = 256
+"""The longest string a config value may be."""
+
+
+def plain_config_value(v) -> bool:
+    """A model config's value, as an artifact may carry it: None, a number, a short string, or a
+    bounded list of integers (layer numbers, e.g. Qwen3's mlp_only_layers; a tuple before the
+    record is written as JSON)."""
+    if isinstance(v, (list, tuple)):
         return len(v) <= MAX_CONFIG_LIST and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-    return isinstance(v, (str, int, float, bool))
+    return v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= MAX_CONFIG_STR)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -73,7 +79,7 @@ class HFRecord:
               and isinstance(d.get("architectures"), list) and all(isinstance(a, str) for a in d["architectures"])
               and str_map(d.get("names")) and str_map(d.get("tied_names"))
               and isinstance(d.get("config"), dict)
-              and all(_config_value(v) for v in d["config"].values())
+              and all(plain_config_value(v) for v in d["config"].values())
               and isinstance(d.get("rope_permuted"), dict)
               and all(isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= 1 << 16 and v % 2 == 0
                       for v in d["rope_permuted"].values())

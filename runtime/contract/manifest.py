@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan.runtime.contract.checks import ArtifactError, check_int, check_rel_path, check_str, fail
-from titan.runtime.contract.hf_record import MAX_CONFIG_LIST, RECORD, HFRecord, required
+from titan.runtime.contract.hf_record import RECORD, HFRecord, plain_config_value, required
 from titan.runtime.contract.layout import MESH_DIMS, Layout
 
 ARTIFACT_FORMAT = "titan-artifact"
@@ -29,14 +29,6 @@ MAX_KERNELS = 1 << 16
 
 MAX_KERNEL_BYTES = 256 << 20
 """Largest compiled region read (real ones are tens of KiB)."""
-
-
-def _plain_config_value(v) -> bool:
-    """A model config's value: a number, a short string, or a bounded list of integers (layer
-    numbers, e.g. Qwen3's mlp_only_layers; a tuple before the manifest is written as JSON)."""
-    if isinstance(v, (list, tuple)):
-        return len(v) <= MAX_CONFIG_LIST and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-    return v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 256)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -151,7 +143,7 @@ def _checked(m: dict) -> Manifest:
     cfg = m.get("model_config")
     if not isinstance(cfg, dict) or not isinstance(cfg.get("vocab_size"), int) or not 2 <= cfg["vocab_size"] <= 1 << 31:
         fail(where, "'model_config' lacks a vocabulary size")
-    if len(cfg) > 256 or not all(isinstance(k, str) and len(k) <= 64 and _plain_config_value(v) for k, v in cfg.items()):
+    if len(cfg) > 256 or not all(isinstance(k, str) and len(k) <= 64 and plain_config_value(v) for k, v in cfg.items()):
         fail(where, "'model_config' must map at most 256 names to plain values (numbers, short strings, "
                     "lists of layer numbers)")
     programs = m.get("programs")

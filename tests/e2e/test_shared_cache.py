@@ -70,8 +70,10 @@ def team():
     """A shared cache as docs/trust.md says to make one (group-owned, setgid, group-writable),
     and alice's and bob's builds of the same debug model in it."""
     _ensure_users()
-    # Outside pytest's 0700 directory: access(2), which option checks use, ignores capabilities.
-    root = Path(tempfile.mkdtemp(prefix="titan-shared-"))
+    # In /tmp, outside pytest's 0700 directory and any private TMPDIR this process has (importing
+    # titan points it into the test cache): access(2), which option checks use, ignores
+    # capabilities. The users inherit that TMPDIR, which they cannot write: titan must cope.
+    root = Path(tempfile.mkdtemp(prefix="titan-shared-", dir="/tmp"))
     os.chmod(root, 0o755)
     yield from _team(root)
     shutil.rmtree(root)

@@ -21,6 +21,7 @@ from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.checks import ArtifactError
 from titan.runtime.contract.graph_decode import load_graph, region_kinds
 from titan.runtime.contract.graph_doc import GraphFormatError
+from titan.runtime.contract.hf_record import MAX_CONFIG_LIST
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.contract.node_fields import check_node_fields
 from titan.runtime.contract.rank_record import RankRecord, check_graphs
@@ -196,8 +197,9 @@ def test_a_manifest_whose_vocabulary_disagrees_with_the_graphs_is_one_line_from_
     assert "vocabulary of 4096 tokens is not the 2048 rows" in _one_error_line(titan("run", art, "--steps", 1))
 
 
-@pytest.mark.parametrize("value", [[1, 2], {"a": 1}, "x" * 300])
+@pytest.mark.parametrize("value", [[[1, 2]], ["a"], [True], list(range(MAX_CONFIG_LIST + 1)), {"a": 1}, "x" * 300])
 def test_model_config_values_must_be_plain(arts, value):
+    """Plain: numbers, short strings, bounded lists of layer numbers (Qwen3's mlp_only_layers)."""
     m = json.loads((arts["single"] / "manifest.json").read_text())
     m["model_config"]["dim"] = value
     with pytest.raises(ArtifactError, match="model_config"):

@@ -220,3 +220,16 @@ def test_a_binding_is_affine_in_the_rank_coordinates_and_bounded():
         with pytest.raises(GraphFormatError) as e:
             bind_value(spec, coords, "node 4")
         assert str(e.value) == message
+
+
+def test_mfu_counts_from_the_config_and_declines_sizes_it_cannot_trust():
+    from titan.runtime.mfu import flops_per_token, mfu_text
+    params = (param_spec("layers.0.w", [256, 256], []),
+              param_spec("tok_embeddings.weight", [2048, 256], []))
+    plain = _manifest(model_config={"vocab_size": 2048, "dim": 256, "n_layers": 2}, dtype="bfloat16")
+    assert flops_per_token(plain, params) == 6 * 256 * 256 + 12 * 2 * 256 * 128
+    assert mfu_text(plain, params, tokens_per_s=1e6, device_name="NVIDIA H100 80GB HBM3").startswith("MFU ")
+    for hostile in ({"dim": [1, 2]}, {"dim": True}, {"dim": -1}, {"n_layers": "2"}, {"n_layers": None}):
+        m = _manifest(model_config={"vocab_size": 2048, "dim": 256, "n_layers": 2} | hostile, dtype="bfloat16")
+        assert flops_per_token(m, params) is None
+        assert mfu_text(m, params, tokens_per_s=1e6, device_name="NVIDIA H100 80GB HBM3") == ""
