@@ -2,7 +2,9 @@
 
 Parameters are static inputs (the optimizer updates them in place, so the graph reads the
 new values without a copy); only the batch is copied into the graph's input buffers. The
-gradients are the graph's own output buffers, handed to the optimizer by reference. Forward
+gradients are the graph's own output buffers (or, over several micro-batches, sums kept in
+buffers of their own), handed to the optimizer by reference and never moved, so a captured
+optimizer step (runtime/captured_update.py) reads them where they are. Forward
 and backward share one capture, hence one memory pool and one capture stream.
 """
 
@@ -63,11 +65,16 @@ class CapturedStep:
             self.static["tokens"].copy_(tokens)
             self.static["labels"].copy_(labels)
         self.graph.replay()
-        for p, g in zip(self.program.params, self.static["grads"]):
-            if p.grad is None:  # the graph's own buffer, which the next micro-batch's replay rewrites
-                p.grad = g if self.program.micro_batches == 1 else g.clone()
-            else:
-                p.grad.add_(g)
+        if self.program.micro_batches == 1:  # the graph's own buffers, in place every step
+            for p, g in zip(self.program.params, self.static["grads"]):
+                p.grad = g
+        else:  # the next micro-batch's replay rewrites those: sum in buffers of their own, also in place
+            sums = self.static.setdefault("sums", [torch.empty_like(g) for g in self.static["grads"]])
+            for p, g, total in zip(self.program.params, self.static["grads"], sums):
+                if p.grad is None:
+                    p.grad = total.copy_(g)
+                else:
+                    p.grad.add_(g)
         # The loss too is the graph's own buffer: a later micro-batch's replay would rewrite it
         # under the step's sum (found on an H100: every logged loss after the capture was wrong).
         return self.static["loss"] if self.program.micro_batches == 1 else self.static["loss"].clone()

@@ -37,12 +37,23 @@ def _build_kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, w1, beta2, alpha2, inv_bc2, eps, neg_step,
+    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, scalars_ptr, scale_ptr, SCALE_GRAD: tl.constexpr,
                      BLOCK: tl.constexpr):
+        # The step's scalars come from device memory, not the launch: a captured launch then
+        # reads each step's learning rate and bias corrections (see FusedAdamW.prepare).
+        decay = tl.load(scalars_ptr + 0)
+        w1 = tl.load(scalars_ptr + 1)
+        beta2 = tl.load(scalars_ptr + 2)
+        alpha2 = tl.load(scalars_ptr + 3)
+        inv_bc2 = tl.load(scalars_ptr + 4)
+        eps = tl.load(scalars_ptr + 5)
+        neg_step = tl.load(scalars_ptr + 6)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask)
         g = tl.load(g_ptr + offs, mask=mask)
+        if SCALE_GRAD:
+            g = g * tl.load(scale_ptr)                  # torch._foreach_mul_(grads, clip_coef), rounded as stored
         m = tl.load(m_ptr + offs, mask=mask)
         v = tl.load(v_ptr + offs, mask=mask)
         p = p * decay                                   # p.mul_(1 - lr * weight_decay)
@@ -57,11 +68,6 @@ def _build_kernel():
     return adamw_kernel
 
 
-def _f32(x: float) -> float:
-    """x rounded to float32, as ATen hands a Python scalar to a float32 kernel."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
 def fused_adamw_available(params: list[torch.Tensor]) -> bool:
     """Whether FusedAdamW takes `params`: triton is installed and each is contiguous fp32 on a GPU."""
     return importlib.util.find_spec("triton") is not None and all(
@@ -69,27 +75,49 @@ def fused_adamw_available(params: list[torch.Tensor]) -> bool:
 
 
 class FusedAdamW(AdamW):
+    """One kernel per parameter. A step is `prepare()` (host: the step's scalars, copied to the
+    device without waiting for it) then `launch()` (device only: what a CUDA graph captures)."""
+
     def __init__(self, params: list[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, schedule=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, schedule=schedule)
         if not fused_adamw_available(self.params):
             raise ValueError("the one-kernel AdamW takes contiguous float32 CUDA parameters and needs triton; "
                              "run with --no-fused-adamw")
+        self.scalars = torch.zeros(7, dtype=torch.float32, device=self.params[0].device)
+
+    def prepare(self) -> None:
+        """Count the step and put its scalars in `self.scalars`, each the float32 rounding of the
+        Python value ATen would hand its kernel. The copy comes from freshly pinned memory, so it
+        neither waits for the device nor races the previous step's copy."""
+        step_size, bias_correction2_sqrt = self.next_step()
+        beta1, beta2 = self.betas
+        values = (1 - self.lr * self.weight_decay, 1 - beta1, beta2, 1 - beta2, 1 / bias_correction2_sqrt,
+                  self.eps, -step_size)
+        self.scalars.copy_(torch.tensor(values, dtype=torch.float32).pin_memory(), non_blocking=True)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def launch(self, grad_scale: torch.Tensor | None = None) -> None:
+        """The update with the prepared scalars; `grad_scale` (a float32 device scalar, the clip
+        coefficient) multiplies each gradient as it is read, as torch._foreach_mul_ before the
+        step would: it saves a pass over every gradient. Float32 gradients only (another dtype
+        would round differently): the caller scales those itself."""
         global _kernel
         if _kernel is None:
             _kernel = _build_kernel()
-        step_size, bias_correction2_sqrt = self.next_step()
-        beta1, beta2 = self.betas
-        scalars = (_f32(1 - self.lr * self.weight_decay), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2),
-                   _f32(1 / bias_correction2_sqrt), _f32(self.eps), _f32(-step_size))
+        scale = grad_scale if grad_scale is not None else self.scalars  # an unread pointer
         for p, exp_avg, exp_avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq):
             grad = p.grad
             assert grad is not None, "every parameter gets a gradient from the backward graph"
+            assert grad_scale is None or grad.dtype == torch.float32, "a scaled gradient must be float32"
             if grad.dtype != torch.float32 or not grad.is_contiguous():
                 grad = grad.float().contiguous()
             n = p.numel()
-            _kernel[((n + BLOCK - 1) // BLOCK,)](p, grad, exp_avg, exp_avg_sq, n, *scalars, BLOCK=BLOCK,
+            _kernel[((n + BLOCK - 1) // BLOCK,)](p, grad, exp_avg, exp_avg_sq, n, self.scalars, scale,
+                                                 SCALE_GRAD=grad_scale is not None, BLOCK=BLOCK,
                                                  num_warps=8, enable_fp_fusion=False)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.prepare()
+        self.launch()

@@ -17,7 +17,8 @@ redistribution; torch 2.11 on the GPU host is not yet checked), and so does this
    order: `x ** 2`, an all-reduce (sum) over the dimension's group, `x ** 0.5`. A dimension
    that shards nothing (dp_replicate) is never reduced over: replicas are not counted twice.
 4. The clip: `coef = clamp(max_norm / (norm + 1e-6), max=1.0)`, then `torch._foreach_mul_` of
-   the gradients by that device tensor. No value goes to the host.
+   the gradients by that device tensor (or, on a GPU, the one-kernel AdamW multiplies each
+   gradient by it as it reads it: the same rounding, one pass fewer). No value goes to the host.
 
 tests/test_recipe.py holds the equality against clip_grad_norm_ on DTensors for 1-D and 2-D
 meshes with every placement mix, and titan-verify holds it for the models (DeepSeek-V3's
@@ -57,6 +58,16 @@ class GlobalNormClip:
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The global norm (a device scalar, the same on every rank); scales `grads` in place
         when clipping."""
+        total, coef = self.norm_and_coef(grads)
+        if coef is not None:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    @torch.no_grad()
+    def norm_and_coef(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The global norm and, when clipping, the coefficient the gradients are to be multiplied
+        by (both device scalars); the gradients are left as they are, for a caller that folds
+        the multiplication into its next pass over them (runtime/captured_update.py)."""
         assert len({g.dtype for g in grads}) == 1, "one dtype: clip_grad_norm_ would group (and reorder) by dtype"
         norms = list(torch._foreach_norm(grads, NORM_TYPE))
         for i, divisors in enumerate(self.divisors):
@@ -68,7 +79,6 @@ class GlobalNormClip:
             dist.all_reduce(stacked, group=group)
             stacked = stacked ** (1.0 / NORM_TYPE)
         total = torch.linalg.vector_norm(stacked, NORM_TYPE)
-        if self.max_norm is not None:
-            coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
-        return total
+        if self.max_norm is None:
+            return total, None
+        return total, torch.clamp(self.max_norm / (total + 1e-6), max=1.0)

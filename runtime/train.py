@@ -46,11 +46,17 @@ def make_optimizer(params: list[torch.Tensor], recipe: Recipe, device: torch.dev
     return AdamW(params, **kw)
 
 
-def grad_norm_function(program: GraphProgram, recipe: Recipe, mesh) -> Callable[[], torch.Tensor]:
-    """The global gradient norm of the program's parameters (clipping them to the recipe's
-    max_norm), computed on the device (runtime/grad_clip.py)."""
+def eager_update(program: GraphProgram, recipe: Recipe, mesh, optimizer: AdamW) -> Callable[[], torch.Tensor]:
+    """The step's update, op by op: the global gradient norm of the program's parameters
+    (clipping them to the recipe's max_norm), computed on the device (runtime/grad_clip.py),
+    then the optimizer step."""
     clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm)
-    return lambda: clip([p.grad for p in program.params])
+
+    def update() -> torch.Tensor:
+        norm = clip([p.grad for p in program.params])
+        optimizer.step()
+        return norm
+    return update
 
 
 def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int], *, validation: bool = False):
@@ -268,10 +274,10 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
 
     records: list[dict] = []
     log_all = None if log is None else (lambda rec: (records.append(rec), log(rec)))
-    with step_function(program, cfg, device) as step:
+    with step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update):
         results = train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
                              tokens_per_step=tokens_per_step, log=log_all, start=start, after_step=after_step,
-                             micro_batches=recipe.micro_batches, grad_norm=grad_norm_function(program, recipe, mesh),
+                             micro_batches=recipe.micro_batches, update=update,
                              validation=make_validation(program.forward_loss, m, cfg, program.coords, device=device,
                                                         mesh=mesh),
                              step_metrics=program.buffers.metrics if len(program.buffers) else None)
@@ -305,16 +311,28 @@ def run_summary(records: list[dict], *, started: float, startup_s: float | None,
 
 
 @contextlib.contextmanager
-def step_function(program: GraphProgram, cfg: RunConfig, device: torch.device):
-    """The program's step, captured in a CUDA graph on GPU unless disabled; released on exit."""
+def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, recipe: Recipe, mesh,
+                   optimizer: AdamW):
+    """The program's (micro-batch step, update) for train_loop: on a GPU unless disabled, each
+    captured in a CUDA graph (the update when the optimizer is the one-kernel AdamW); released
+    on exit."""
+    update = eager_update(program, recipe, mesh, optimizer)
     if device.type != "cuda" or not cfg.cuda_graphs:
-        yield program.step
+        yield program.step, update
         return
     from titan.runtime.cudagraph import CapturedStep
+    from titan.runtime.fused_adamw import FusedAdamW
     captured = CapturedStep(program)
+    captured_update = None
+    if isinstance(optimizer, FusedAdamW):
+        from titan.runtime.captured_update import CapturedUpdate
+        captured_update = CapturedUpdate(GlobalNormClip([p.placements for p in program.specs], mesh,
+                                                        max_norm=recipe.max_norm), optimizer)
     try:
-        yield captured
+        yield captured, captured_update or update
     finally:
+        if captured_update is not None:
+            captured_update.close()
         captured.close()
 
 

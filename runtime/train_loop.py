@@ -1,7 +1,7 @@
 """The optimizer-step loop, shared by titan-run and the eager reference of titan-verify, so that
 both take every step the same way: the step's micro-batches (forward + backward each, the
-gradients summed), the global gradient norm (and the clip), the optimizer step (the LR from the
-schedule), the bookkeeping.
+gradients summed), the update (the global gradient norm, the clip, the optimizer step with the
+LR from the schedule), the bookkeeping.
 
 A step function trains one micro-batch: `step_fn(tokens, labels)` adds the micro-batch's
 gradients to each parameter's .grad (setting it on the first) and returns its loss, already
@@ -57,13 +57,13 @@ class Validation:
 def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
                data, *, steps: int, device: torch.device, mesh, tokens_per_step: int,
                log: Callable[[dict], None] | None, start: int = 0, micro_batches: int = 1,
-               grad_norm: Callable[[], torch.Tensor] | None = None, scheduler=None,
+               update: Callable[[], torch.Tensor | None] | None = None,
                validation: Validation | None = None,
                after_step: Callable[[int], None] | None = None,
                step_metrics: Callable[[], dict] | None = None) -> StepResults:
     """Run optimizer steps start+1 .. steps. Step s reads micro-batches (s-1)*n .. s*n-1 of
-    `data`. `grad_norm()` measures (and clips) the summed gradients before the optimizer step;
-    `scheduler` (the eager reference's LambdaLR) steps after it; `validation` runs when due
+    `data`. `update()` applies the summed gradients and returns their global norm before any
+    clip (None if it measures none); by default it is `optimizer.step()`; `validation` runs when due
     (its time is not in the step's); `after_step(step)` runs after
     each (checkpointing); `step_metrics()` adds to the logged record (read after the step,
     e.g. the expert load from the model's buffers)."""
@@ -76,10 +76,11 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
         for tokens, labels in batches:
             loss = step_fn(tokens, labels)
             local = loss if local is None else local + loss
-        norm = grad_norm() if grad_norm is not None else None
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+        if update is not None:
+            norm = update()
+        else:
+            norm = None
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = dp_sum(local, mesh)
         # One transfer (one wait on the device) for the step's numbers.

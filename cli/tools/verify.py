@@ -21,8 +21,8 @@ from titan.runtime.kernels.artifact_trust import kernels_trusted
 from titan.runtime.recipe import Recipe
 from titan.runtime.startup import rank_phases
 from titan.runtime.run_config import RunConfig
-from titan.runtime.train import (GraphProgram, compiles_regions, grad_norm_function, make_data, make_optimizer,
-                                 make_validation, step_function)
+from titan.runtime.train import (GraphProgram, compiles_regions, make_data, make_optimizer,
+                                 make_validation, step_functions)
 from titan.runtime.train_loop import StepResults, train_loop
 
 
@@ -68,8 +68,13 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
         eager_opt = torch.optim.AdamW(eager.params, lr=recipe.schedule.lr, foreach=False, **recipe.adamw)
         scheduler = torch.optim.lr_scheduler.LambdaLR(eager_opt, recipe.schedule.factor)
         coords = layout.coordinates(env.rank)
-        eager_run = train_loop(eager.step, eager_opt, make_data(m, cfg, coords),
-                               grad_norm=lambda: eager.clip_grad_norm(recipe.max_norm), scheduler=scheduler,
+        def eager_update() -> torch.Tensor:
+            norm = eager.clip_grad_norm(recipe.max_norm)
+            eager_opt.step()
+            scheduler.step()
+            return norm
+
+        eager_run = train_loop(eager.step, eager_opt, make_data(m, cfg, coords), update=eager_update,
                                validation=make_validation(eager.forward_loss, m, cfg, coords, device=device, mesh=mesh),
                                log=eager_steps.append, **kw)
         eager_params = {fqn: p.detach().cpu() for fqn, p in eager.model.named_parameters()}
@@ -81,10 +86,10 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
                            micro_batches=recipe.micro_batches, artifact_kernels=trusted)
     if program.fusion is not None and env.rank == 0:
         print(program.fusion.line(), flush=True)
+    optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
     with phases(f"rank {env.rank}: training {cfg.steps} step(s) from the artifact", short="artifact"), \
-            step_function(program, cfg, device) as step:
-        graph_run = train_loop(step, make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw),
-                               make_data(m, cfg, program.coords), grad_norm=grad_norm_function(program, recipe, mesh),
+            step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update):
+        graph_run = train_loop(step, optimizer, make_data(m, cfg, program.coords), update=update,
                                validation=make_validation(program.forward_loss, m, cfg, program.coords, device=device,
                                                           mesh=mesh), log=artifact_steps.append, **kw)
     fqns = art.rank_record(env.rank).param_fqns

@@ -139,6 +139,50 @@ def test_one_kernel_adamw_bitwise_equal_to_torch_single_tensor_adamw():
             assert torch.equal(m, ref.state[q]["exp_avg"]) and torch.equal(v, ref.state[q]["exp_avg_sq"])
 
 
+@pytest.mark.gpu(count=1)
+def test_captured_update_with_the_clip_folded_in_is_bitwise_torch_clip_adamw_and_schedule():
+    """The optimizer step as titan-run replays it (runtime/captured_update.py): the norm, the clip
+    coefficient multiplied in by the AdamW kernel, the LR read from the device, one CUDA graph;
+    against clip_grad_norm_, torch's single-tensor AdamW and LambdaLR. The clip acts on some steps
+    and not on others; a gradient moved to a new buffer is captured again, never read stale."""
+    from titan.runtime.captured_update import CapturedUpdate
+    from titan.runtime.fused_adamw import FusedAdamW
+    from titan.runtime.grad_clip import GlobalNormClip
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(1000, 37), (4096,), (3, 5, 7), (1 << 20,), (1,)]
+    params = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
+    ref_params = [p.clone() for p in params]
+    hp = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    factor = lambda step: min(1.0, (step + 1) / 3) * (0.5 if step >= 5 else 1.0)  # noqa: E731
+    schedule = type("Schedule", (), {"lr_at": staticmethod(lambda step: 3e-3 * factor(step))})()
+    ours = FusedAdamW(params, lr=3e-3, schedule=schedule, **hp)
+    ref = torch.optim.AdamW(ref_params, lr=3e-3, foreach=False, **hp)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(ref, factor)
+    max_norm = 5.0
+    update = CapturedUpdate(GlobalNormClip([{} for _ in params], None, max_norm=max_norm), ours)
+    grads = [torch.empty_like(p) for p in params]
+    clipped = []
+    for step in range(8):
+        if step == 6:  # new gradient buffers: a new capture
+            grads = [torch.empty_like(p) for p in params]
+        for p, q, buf in zip(params, ref_params, grads):
+            scale = torch.exp2(torch.randint(-30, 4, p.shape, device="cuda", generator=g).float())
+            buf.copy_(torch.randn(p.shape, device="cuda", generator=g) * scale * (1e-6 if step % 2 else 1.0))
+            p.grad, q.grad = buf, buf.clone()
+        norm = update()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm, foreach=True)
+        ref.step()
+        scheduler.step()
+        assert torch.equal(norm, ref_norm)
+        clipped.append(bool(ref_norm > max_norm))
+        for p, q, m, v in zip(params, ref_params, ours.exp_avg, ours.exp_avg_sq):
+            assert torch.equal(p, q)
+            assert torch.equal(m, ref.state[q]["exp_avg"]) and torch.equal(v, ref.state[q]["exp_avg_sq"])
+    assert any(clipped) and not all(clipped)
+    update.close()
+
+
 def _fusion_line(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("fusion: "))
 

@@ -1,0 +1,65 @@
+"""A rank's optimizer update on a GPU (the global gradient norm, the clip, the one-kernel AdamW)
+captured once in a CUDA graph and replayed every step, beside the forward + backward graph
+(runtime/cudagraph.py).
+
+What changes from step to step reaches the graph as data: the learning rate and the bias
+corrections are copied into a device buffer the captured kernels read (FusedAdamW.prepare), and
+the clip coefficient never leaves the device (the AdamW kernel multiplies each gradient by it as
+it reads it, rounding as the separate multiplication would). The host's work per step is that
+copy and one replay, whatever the number of parameters.
+
+The captured kernels read the gradients where they were at capture: the forward + backward
+graph's own buffers, which stay in place. A gradient found elsewhere (a new buffer) means a new
+capture, never a stale read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan.runtime.fused_adamw import FusedAdamW
+from titan.runtime.grad_clip import GlobalNormClip
+from titan.runtime.startup import rank_phases
+
+
+class CapturedUpdate:
+    """Callable: applies the step's update and returns the global gradient norm (a device
+    scalar). The first call runs eagerly (the kernel's compilation and the collectives' lazy
+    set-up must not happen during a capture); the second captures."""
+
+    def __init__(self, clip: GlobalNormClip, optimizer: FusedAdamW):
+        self.clip, self.optimizer = clip, optimizer
+        self.eager_left = 1
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captured_at: list[int] = []
+        self.norm: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        grads = [p.grad for p in self.optimizer.params]
+        self.optimizer.prepare()
+        if self.eager_left > 0:
+            self.eager_left -= 1
+            return self._update(grads)
+        where = [g.data_ptr() for g in grads]
+        if self.graph is None or where != self.captured_at:
+            self.close()
+            self.graph, self.captured_at = torch.cuda.CUDAGraph(), where
+            with rank_phases()("capturing the optimizer step in a CUDA graph", short="update capture"), \
+                    torch.cuda.graph(self.graph):
+                self.norm = self._update(grads)
+        self.graph.replay()  # a capture records without running: the replay is the step
+        return self.norm
+
+    def _update(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        norm, coef = self.clip.norm_and_coef(grads)
+        fold = coef is not None and all(g.dtype == torch.float32 and g.is_contiguous() for g in grads)
+        if coef is not None and not fold:
+            torch._foreach_mul_(grads, coef)
+        self.optimizer.launch(coef if fold else None)
+        return norm
+
+    def close(self) -> None:
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph, self.norm = None, None
