@@ -59,4 +59,5 @@ def worker_args(modes: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--json", required=True)
+    p.add_argument("--max-norm", type=float, default=0.0, help="clip gradients to this global norm (0: no clip)")
     return p.parse_args()

@@ -14,7 +14,7 @@ synthetic tokens. Parallelism and precision as PyTorch's own recipes do it:
   (world size 1, or tp alone) the mesh has one rank and FSDP2 only applies that policy, as
   torchtitan 0.3.0 does (the torchtitan rows do it at world size 1 too); this is the same policy
   as titan's bf16 artifacts (parameters cast to bf16).
-- `torch.optim.AdamW(fused=True)`; no gradient clipping (titan-run has none).
+- `torch.optim.AdamW(fused=True)`; with `--max-norm`, `clip_grad_norm_(foreach=True)` before it.
 ref-compile: the same, each block `torch.compile(fullgraph=True)` before sharding.
 """
 
@@ -175,7 +175,8 @@ def build(mode: str, cfg, dp_shard: int, tp: int, seq_len: int, device: torch.de
     return model, mesh
 
 
-def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str) -> None:
+def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str, *,
+        max_norm: float = 0.0) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from titan.builder.models.llama3.config import FLAVORS
@@ -204,6 +205,8 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
             logits = model(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / global_tokens
             loss.backward()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         reported = loss.detach()
@@ -221,7 +224,7 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
 
 def main() -> None:
     a = worker_args(["ref-eager", "ref-compile"])
-    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json)
+    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json, max_norm=a.max_norm)
 
 if __name__ == "__main__":
     main()

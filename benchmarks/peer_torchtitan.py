@@ -32,9 +32,9 @@ What else is set to match titan's rows (the rest is torchtitan's defaults): the 
 titan's flavor (titan's untied `1B`, SDPA attention), batch, sequence length, no activation
 checkpointing, AdamW lr 8e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 (torchtitan's
 defaults already), plain cross-entropy summed over the global tokens, titan's synthetic tokens.
-The step is the trainer's own `forward_backward_step` then its optimizers and lr schedulers,
-without the gradient clipping and metric logging of `Trainer.train_step` (titan-run clips
-nothing).
+The step is the trainer's own `forward_backward_step`, then (with `--max-norm`) the clip that
+`Trainer.train_step` makes (`dist_utils.clip_grad_norm_`, foreach), then its optimizers and lr
+schedulers; without its metric logging.
 
 torchtitan places its model on CUDA: without a GPU this worker builds the configuration, the
 model on the meta device and a batch, then exits with "needs CUDA".
@@ -248,6 +248,10 @@ def timed_trainer(base):
                 global_tokens = local_tokens.float()
             loss = self.forward_backward_step(input_dict=input_dict, labels=labels,
                                               global_valid_tokens=global_tokens)
+            if self.job_config.training.max_norm > 0:
+                dist_utils.clip_grad_norm_([p for m in self.model_parts for p in m.parameters()],
+                                           self.job_config.training.max_norm, foreach=True,
+                                           pp_mesh=None, ep_enabled=self.parallel_dims.ep_enabled)
             self.optimizers.step()
             self.lr_schedulers.step()
             # The loss is this rank's sum over the global token count: the mean is their sum.
@@ -287,9 +291,11 @@ def check_without_gpu(mode: str, config, flavor: str, batch: int, seq_len: int) 
                      f"and a batch {tuple(inputs['input'].shape)}")
 
 
-def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str) -> None:
+def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str, *,
+        max_norm: float = 0.0) -> None:
     register_spec(mode, flavor)
     config = job_config(mode, flavor, layout_name, batch, seq_len, steps, tempfile.mkdtemp(prefix="tt-bench-"))
+    config.training.max_norm = max_norm
     if not torch.cuda.is_available():
         check_without_gpu(mode, config, flavor, batch, seq_len)
     trainer = timed_trainer(trainer_class(mode))(config)
@@ -308,7 +314,7 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
 def main() -> None:
     a = worker_args(MODES)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json)
+    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json, max_norm=a.max_norm)
 
 
 if __name__ == "__main__":

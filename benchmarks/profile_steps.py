@@ -199,13 +199,14 @@ def main() -> None:
     ap.add_argument("--metrics", default=None)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-fused-adamw", action="store_true")
+    ap.add_argument("--max-norm", type=float, default=None)
     args = ap.parse_args()
     from titan.runtime.distributed import exit_rank
     from titan.runtime.run_config import RunConfig
     from titan.runtime.train import rank_main, run_rank
 
     cfg = RunConfig(steps=args.steps, metrics=args.metrics, quiet=True, cuda_graphs=not args.no_cuda_graphs,
-                    fused_adamw=not args.no_fused_adamw)
+                    fused_adamw=not args.no_fused_adamw, max_norm=args.max_norm)
     first, last = window(args.steps)
 
     def work(artifact, cfg, env) -> int:

@@ -96,7 +96,8 @@ def flops_per_token(cfg, seq_len: int) -> float:
 # --------------------------------------------------------------------------------------------
 # worker (one rank of eager / compile)
 
-def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str) -> None:
+def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str, *,
+           max_norm: float = 0.0) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -176,6 +177,8 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(tokens, labels)
         loss.backward()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         reported = loss.detach().clone()
@@ -283,6 +286,8 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
         else:
             run = [sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
                    "--metrics", str(metrics), *run_flags]
+        if opts.max_norm > 0:
+            run += ["--max-norm", str(opts.max_norm)]
         wall = _spawn(run, world, env, tmp / f"{layout}-{mode}")
         recs = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]  # after the config header
         res = {"step_times": [r["step_time_s"] for r in recs], "losses": [r["loss"] for r in recs],
@@ -292,7 +297,8 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
                   else [__file__, "--worker", mode])
         wall = _spawn([sys.executable, *worker, "--flavor", opts.flavor, "--layout", layout,
                        "--batch-size", str(opts.batch_size), "--seq-len", str(opts.seq_len),
-                       "--steps", str(opts.steps), "--json", str(result_file)], world, env, tmp / f"{layout}-{mode}")
+                       "--steps", str(opts.steps), "--json", str(result_file), "--max-norm", str(opts.max_norm)],
+                      world, env, tmp / f"{layout}-{mode}")
         res = json.loads(result_file.read_text())
     res["wall_s"] = wall
     return res
@@ -308,9 +314,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--modes", default="eager,compile,compile-warm,titan")
     p.add_argument("--json", default=None)
+    p.add_argument("--max-norm", type=float, default=1.0,
+                   help="every row clips gradients to this global norm, torchtitan's default (0: no row clips)")
     opts = p.parse_args()
     if opts.worker:
-        worker(opts.worker, opts.flavor, opts.layout[0], opts.batch_size, opts.seq_len, opts.steps, opts.json)
+        worker(opts.worker, opts.flavor, opts.layout[0], opts.batch_size, opts.seq_len, opts.steps, opts.json,
+               max_norm=opts.max_norm)
         return
     from titan.builder.models.llama3.config import FLAVORS
     from bench_table import print_table, with_ratios
