@@ -89,3 +89,43 @@ class CapturedStep:
             self.static.clear()
             self.graph.reset()
             self.graph = None
+
+
+class CapturedLoss:
+    """A loss-only program (runtime/loss_only.py: validation) captured once and replayed for
+    every held-out batch. Callable like GraphProgram.forward_loss; the first call runs eagerly
+    on a side stream, as CapturedStep's warm-up does."""
+
+    def __init__(self, forward_loss):
+        self.forward_loss = forward_loss
+        self.warm = False
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: dict[str, torch.Tensor] = {}
+
+    def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if not self.warm:
+            self.warm = True
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self.forward_loss(tokens, labels)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        if self.graph is None:
+            self.static["tokens"], self.static["labels"] = tokens.clone(), labels.clone()
+            self.graph = torch.cuda.CUDAGraph()
+            with rank_phases()("capturing the validation forward in a CUDA graph", short="validation capture"), \
+                    torch.cuda.graph(self.graph):
+                self.static["loss"] = self.forward_loss(self.static["tokens"], self.static["labels"])
+        else:
+            self.static["tokens"].copy_(tokens)
+            self.static["labels"].copy_(labels)
+        self.graph.replay()
+        return self.static["loss"].clone()  # the next batch's replay rewrites the graph's own buffer
+
+    def close(self) -> None:
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.static.clear()
+            self.graph.reset()
+            self.graph = None

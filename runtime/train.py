@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 from titan.runtime.contract.artifact import Artifact, ArtifactError, open_artifact
 from titan.runtime.kernels.artifact_trust import kernels_trusted
@@ -27,6 +28,7 @@ from titan.runtime.recipe import Recipe
 from titan.runtime.run_config import RunConfig
 from titan.runtime.train_loop import StepResults, Validation, train_loop
 from titan.runtime.startup import rank_phases
+from titan.runtime.loss_only import loss_only
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
 from titan.runtime.contract.memory_estimate import check_device, estimate_from_graphs
@@ -114,6 +116,7 @@ class GraphProgram:
                                               artifact_kernel=artifact.kernel if artifact_kernels else None)
         self.inputs = record.forward_inputs
         self.coords = record.coords
+        self._loss_only: fx.GraphModule | None = None  # made on first use: most runs never validate
 
     def _forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         params = iter(self.params)
@@ -122,10 +125,13 @@ class GraphProgram:
 
     @torch.no_grad()
     def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """This rank's loss of a held-out batch: the forward graph alone, its buffer updates
-        (a MoE's load and bias) dropped, so training goes on as if it had not run."""
-        outputs = self.forward(*self._forward_args(tokens, labels))
-        return outputs[len(self.buffers.mutated)]
+        """This rank's loss of a held-out batch: the forward graph cut down to its loss
+        (runtime/loss_only.py), so neither the activations the backward would read nor the
+        buffer updates (a MoE's load and bias) are computed; training goes on as if it had not run."""
+        if self._loss_only is None:
+            self._loss_only = loss_only(self.forward, len(self.buffers.mutated))
+        (loss,) = self._loss_only(*self._forward_args(tokens, labels))
+        return loss
 
     @torch.no_grad()
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -274,11 +280,11 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
 
     records: list[dict] = []
     log_all = None if log is None else (lambda rec: (records.append(rec), log(rec)))
-    with step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update):
+    with step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update, forward_loss):
         results = train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
                              tokens_per_step=tokens_per_step, log=log_all, start=start, after_step=after_step,
                              micro_batches=recipe.micro_batches, update=update,
-                             validation=make_validation(program.forward_loss, m, cfg, program.coords, device=device,
+                             validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                         mesh=mesh),
                              step_metrics=program.buffers.metrics if len(program.buffers) else None)
     if env.rank == 0 and not cfg.quiet:
@@ -313,27 +319,27 @@ def run_summary(records: list[dict], *, started: float, startup_s: float | None,
 @contextlib.contextmanager
 def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, recipe: Recipe, mesh,
                    optimizer: AdamW):
-    """The program's (micro-batch step, update) for train_loop: on a GPU unless disabled, each
-    captured in a CUDA graph (the update when the optimizer is the one-kernel AdamW); released
-    on exit."""
+    """The program's (micro-batch step, update, validation loss) for train_loop: on a GPU unless
+    disabled, each captured in a CUDA graph (the update when the optimizer is the one-kernel
+    AdamW); released on exit."""
     update = eager_update(program, recipe, mesh, optimizer)
     if device.type != "cuda" or not cfg.cuda_graphs:
-        yield program.step, update
+        yield program.step, update, program.forward_loss
         return
-    from titan.runtime.cudagraph import CapturedStep
+    from titan.runtime.cudagraph import CapturedLoss, CapturedStep
     from titan.runtime.fused_adamw import FusedAdamW
-    captured = CapturedStep(program)
-    captured_update = None
+    step, forward_loss = CapturedStep(program), CapturedLoss(program.forward_loss)
+    captured = [step, forward_loss]
     if isinstance(optimizer, FusedAdamW):
         from titan.runtime.captured_update import CapturedUpdate
-        captured_update = CapturedUpdate(GlobalNormClip([p.placements for p in program.specs], mesh,
-                                                        max_norm=recipe.max_norm), optimizer)
+        update = CapturedUpdate(GlobalNormClip([p.placements for p in program.specs], mesh,
+                                               max_norm=recipe.max_norm), optimizer)
+        captured.append(update)
     try:
-        yield captured, captured_update or update
+        yield step, update, forward_loss
     finally:
-        if captured_update is not None:
-            captured_update.close()
-        captured.close()
+        for graph in reversed(captured):
+            graph.close()
 
 
 def _train(artifact_path: str, cfg: RunConfig, env: RankEnv) -> int:

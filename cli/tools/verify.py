@@ -78,7 +78,11 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
                                validation=make_validation(eager.forward_loss, m, cfg, coords, device=device, mesh=mesh),
                                log=eager_steps.append, **kw)
         eager_params = {fqn: p.detach().cpu() for fqn, p in eager.model.named_parameters()}
-        del eager, eager_opt
+        del eager, eager_opt, scheduler, eager_update
+        if device.type == "cuda":  # the eager model's blocks go back before the artifact's program takes its own
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
     trusted, note = kernels_trusted(art, cfg.kernel_trust) if compiles_regions(m, device) else (False, "")
     if note and env.rank == 0:
         print(note, flush=True)
@@ -88,9 +92,9 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
         print(program.fusion.line(), flush=True)
     optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
     with phases(f"rank {env.rank}: training {cfg.steps} step(s) from the artifact", short="artifact"), \
-            step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update):
+            step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update, forward_loss):
         graph_run = train_loop(step, optimizer, make_data(m, cfg, program.coords), update=update,
-                               validation=make_validation(program.forward_loss, m, cfg, program.coords, device=device,
+                               validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                           mesh=mesh), log=artifact_steps.append, **kw)
     fqns = art.rank_record(env.rank).param_fqns
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
