@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import warnings
 
+import msgpack
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
-from test_graph_format import _blob, _load
+from test_graph_format import _blob, _load, _mm_graph
 from titan.builder.models.attention import attention_overrides, attention_tags, describe_attention
 from titan.builder.models.decoder import document_ids
 from titan.builder.models.llama3.config import FLAVORS
@@ -168,3 +169,34 @@ def test_the_default_choice_leaves_the_config_unchanged():
     assert attention_overrides(DEBUG, model="llama3", attention="sdpa", mask="causal", eos_id=None) == {}
     assert set(DEBUG.as_dict()) & {"attention", "mask", "eos_id"} == set()  # the cache key as before
     assert attention_tags(DEBUG) == [] and describe_attention(DEBUG.as_dict()) == "sdpa causal"
+
+
+def test_the_memory_estimate_counts_the_dense_kernels_scores_and_mask():
+    from titan.runtime.contract.memory_estimate import MemoryEstimate, flex_attention_workspace
+    blob = msgpack.unpackb(_flex_graph([{"$n": 0}, {"$n": 0}, {"$n": 0}, {"$n": 1}]), raw=False)
+    blob["nodes"][0]["val"] = {"shape": [2, 4, 48, 32], "stride": [6144, 1536, 32, 1], "dtype": "float32"}
+    gm = _load(msgpack.packb(blob, use_bin_type=True))
+    # the forward: scores and probabilities, float32 (2, 4, 48, 48) each, and the (2, 48, 48) mask
+    assert flex_attention_workspace([gm]) == 2 * (2 * 4 * 48 * 48 * 4) + 2 * 48 * 48
+    assert flex_attention_workspace([_load(_blob(_mm_graph()))]) == 0
+    estimate = MemoryEstimate(param_elements=0, buffers=0, activations=0, attention_workspace=3 << 30)
+    assert estimate.at_least == 3 << 30 and "flex attention scores and mask 3.00 GiB" in estimate.describe()
+
+
+def test_the_choice_is_in_the_cache_key_and_the_name_and_sdpas_key_is_as_before():
+    from titan.builder.spec.build_spec import make_spec
+    from titan.builder.spec.cache_key import build_factors, digest
+
+    def spec(**choice):
+        return make_spec(model="llama3", flavor="debug", tp=2, dp_shard=1, dp_replicate=1, batch_size=None,
+                         seq_len=None, **choice)
+    sdpa, causal, doc = spec(), spec(attention="flex"), spec(attention="flex", mask="document", eos_id=7)
+    assert "attention" not in build_factors(sdpa)["model config"] and sdpa.name == "llama3-debug-tp2"
+    assert build_factors(doc)["model config"] == dict(build_factors(sdpa)["model config"], attention="flex",
+                                                      mask="document", eos_id=7)
+    assert len({digest(build_factors(s)) for s in (sdpa, causal, doc, spec(attention="flex", mask="document",
+                                                                           eos_id=8))}) == 4
+    assert (causal.name, doc.name) == ("llama3-debug-tp2-flex", "llama3-debug-tp2-flex-doc-eos7")
+    with pytest.raises(ValueError, match="deepseek_v3 has SDPA causal attention only"):
+        make_spec(model="deepseek_v3", flavor="debug", tp=1, dp_shard=1, dp_replicate=1, batch_size=None,
+                  seq_len=None, attention="flex")
