@@ -14,7 +14,8 @@ carries its mask and score functions as Python callables (subgraphs) that an art
 hold as code. Here the mask is one of two named kinds and its only data a tensor; the kernels
 below compute exactly what that math path computes for an identity score_mod (float32 scores,
 masked to -inf, logsumexp, softmax in float32, the products in the inputs' dtype; the backward
-its formulas), and a test checks the forward torch.equal to PyTorch's own eager flex_attention.
+its formulas, with its base-2 logsumexp), and tests check the forward torch.equal to PyTorch's
+own eager flex_attention and the backward to the higher-order op's math backward.
 The eager reference (titan-verify) calls this same op, so both run the same kernels.
 
 On a GPU this dense path runs as written (it materializes the (batch, heads, seq, seq) scores);
@@ -65,14 +66,15 @@ def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torc
 
 
 def _flex_attention(q, k, v, documents):
-    """Returns (out like q's shape, contiguous; logsumexp float32 (batch, heads, seq), natural log)."""
+    """Returns (out like q's shape, contiguous; logsumexp float32 (batch, heads, seq), base 2 as
+    the higher-order op returns it)."""
     _check(q, k, v, documents)
     scores = _masked_scores(q, k, attention_mask(documents, q.shape[2], q.device))
     lse = scores.logsumexp(dim=-1)
     # Every query sees at least itself, so no row is fully masked: softmax is the math path's
     # _safe_softmax here.
     probs = torch.softmax(scores, dim=-1)
-    return (probs.to(q.dtype) @ v.to(q.dtype)).contiguous(), lse
+    return (probs.to(q.dtype) @ v.to(q.dtype)).contiguous(), lse / math.log(2)
 
 
 def _flex_attention_backward(grad_out, q, k, v, out, lse, documents):
@@ -81,7 +83,7 @@ def _flex_attention_backward(grad_out, q, k, v, out, lse, documents):
     _check(q, k, v, documents)
     scale = 1.0 / math.sqrt(q.shape[-1])
     mask = attention_mask(documents, q.shape[2], q.device)
-    probs = torch.exp(_masked_scores(q, k, mask) - lse.unsqueeze(-1))
+    probs = torch.exp(_masked_scores(q, k, mask) - (lse * math.log(2)).unsqueeze(-1))
     grad_v = probs.to(q.dtype).transpose(-2, -1) @ grad_out
     grad_probs = grad_out.to(torch.float32) @ v.to(torch.float32).transpose(-2, -1)
     row = torch.sum(out.to(torch.float32) * grad_out.to(torch.float32), -1, keepdim=True)

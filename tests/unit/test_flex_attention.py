@@ -1,8 +1,8 @@
 """titan::flex_attention (runtime/contract/flex_attention.py): PyTorch's FlexAttention math with
 the causal or the document mask, the mask computed from document ids that are data.
 
-References: PyTorch's own eager flex_attention (forward; torch 2.13 refuses its backward on CPU),
-and, independently, SDPA with an explicit boolean mask built from the document ids (forward and
+References: PyTorch's own eager flex_attention (forward; torch 2.13 refuses its backward on CPU)
+and its higher-order op's math backward, bit for bit; and, independently, SDPA with an explicit boolean mask built from the document ids (forward and
 gradients, within TOLERANCE: float32 sums in another order)."""
 
 from __future__ import annotations
@@ -65,6 +65,25 @@ def test_forward_is_pytorchs_eager_flex_attention_bit_for_bit(masked, dtype):
         warnings.simplefilter("ignore")  # "called without torch.compile": the unfused math path is the point
         expected = torch_flex_attention(q, k, v, block_mask=block_mask)
     assert torch.equal(flex_attention(q, k, v, docs if masked == "document" else None), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_is_the_higher_order_ops_math_backward_bit_for_bit(dtype):
+    import math
+
+    from torch._higher_order_ops.flex_attention import flex_attention_backward
+    docs = document_ids(_stream_rows(), EOS)
+    q, k, v = _qkv(3, dtype=dtype)
+    out, lse = torch.ops.titan.flex_attention(q, k, v, docs)
+    grad_out = torch.randn(3, 4, 48, 32, generator=torch.Generator().manual_seed(4), dtype=dtype)
+
+    def mask_mod(b, h, m, n):
+        return (m >= n) & (docs[b, m] == docs[b, n])
+    block_mask = create_block_mask(mask_mod, 3, None, 48, 48, device="cpu")
+    expected = flex_attention_backward(q, k, v, out, lse, grad_out, None, lambda score, b, h, m, n: score, None,
+                                       block_mask.as_tuple(), 1 / math.sqrt(32), {}, (), ())[:3]
+    got = torch.ops.titan.flex_attention_backward(grad_out, q, k, v, out, lse, docs)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_document_mask_matches_dense_sdpa_with_a_boolean_mask():
