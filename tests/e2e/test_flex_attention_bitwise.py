@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_every_rank_equals_eager
+from conftest import assert_every_rank_equals_eager, titan
 from titan.builder.models.attention import describe_attention
-from titan.runtime.data import TokenFile
+from titan.runtime.data import TokenFile, sidecar_path
 
 STEPS = 10
 EOS = 2047
@@ -34,7 +34,14 @@ def documents_file(tmp_path_factory):
         total += len(doc) + 1
     path = tmp_path_factory.mktemp("data") / "documents.u16"
     path.write_bytes(torch.cat(parts).numpy().astype(np.uint16).tobytes())
+    _sidecar(path, total, EOS)
     return path
+
+
+def _sidecar(path, tokens: int, eos_id: int | None) -> None:
+    """What titan-data writes beside a token file (runtime/data.py), for a separator `eos_id`."""
+    sidecar_path(path).write_text(json.dumps({"format": "titan-tokens", "format_version": 1, "dtype": "uint16",
+                                              "vocab_size": 2048, "tokens": tokens, "eos_id": eos_id}))
 
 
 def _boundaries(path, step: int, dp_rank: int) -> list[list[int]]:
@@ -66,3 +73,14 @@ def test_flex_attention_causal_and_document_equal_eager_at_every_step(layout, de
         losses[mask] = result["artifact"]
     # The document mask is in effect: the same tokens give other losses than the causal mask.
     assert all(a != b for a, b in zip(losses["causal"], losses["document"]))
+
+
+@pytest.mark.parametrize("eos_id,fix", [(5, "rebuild it with --eos-id 5"), (None, "titan-data --eos")])
+def test_a_token_file_with_another_separator_is_refused(eos_id, fix, debug_artifact, documents_file, tmp_path):
+    art = debug_artifact(tp=2, extra=("--attention", "flex", "--mask", "document", "--eos-id", str(EOS)))
+    data = tmp_path / "other.u16"
+    data.write_bytes(documents_file.read_bytes())
+    _sidecar(data, data.stat().st_size // 2, eos_id)
+    r = titan("run", art, "--steps", 1, "--data", data)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+    assert f"masks documents that end with token {EOS}; " in r.stderr and fix in r.stderr
