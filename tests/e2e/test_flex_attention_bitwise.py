@@ -22,26 +22,29 @@ EOS = 2047
 LAYOUTS = [dict(tp=2), dict(dp_shard=2)]
 
 
-@pytest.fixture(scope="module")
-def documents_file(tmp_path_factory):
-    """A token file of documents 3-90 tokens long, each followed by EOS: every step's batch
-    has its boundaries at other positions."""
+def _write_documents(path, *, vocab: int, eos: int):
+    """A token file (and its sidecar) of documents 3-90 tokens long, each followed by `eos`:
+    every step's batch has its boundaries at other positions."""
     g = torch.Generator().manual_seed(7)
     parts, total = [], 0
     while total < 8192:
-        doc = torch.randint(0, EOS, (int(torch.randint(3, 91, (1,), generator=g)),), generator=g)
-        parts += [doc, torch.tensor([EOS])]
+        doc = torch.randint(0, eos, (int(torch.randint(3, 91, (1,), generator=g)),), generator=g)
+        parts += [doc, torch.tensor([eos])]
         total += len(doc) + 1
-    path = tmp_path_factory.mktemp("data") / "documents.u16"
     path.write_bytes(torch.cat(parts).numpy().astype(np.uint16).tobytes())
-    _sidecar(path, total, EOS)
+    _sidecar(path, total, eos, vocab=vocab)
     return path
 
 
-def _sidecar(path, tokens: int, eos_id: int | None) -> None:
+@pytest.fixture(scope="module")
+def documents_file(tmp_path_factory):
+    return _write_documents(tmp_path_factory.mktemp("data") / "documents.u16", vocab=2048, eos=EOS)
+
+
+def _sidecar(path, tokens: int, eos_id: int | None, *, vocab: int = 2048) -> None:
     """What titan-data writes beside a token file (runtime/data.py), for a separator `eos_id`."""
     sidecar_path(path).write_text(json.dumps({"format": "titan-tokens", "format_version": 1, "dtype": "uint16",
-                                              "vocab_size": 2048, "tokens": tokens, "eos_id": eos_id}))
+                                              "vocab_size": vocab, "tokens": tokens, "eos_id": eos_id}))
 
 
 def _boundaries(path, step: int, dp_rank: int) -> list[list[int]]:
@@ -84,3 +87,16 @@ def test_a_token_file_with_another_separator_is_refused(eos_id, fix, debug_artif
     r = titan("run", art, "--steps", 1, "--data", data)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
     assert f"masks documents that end with token {EOS}; " in r.stderr and fix in r.stderr
+
+
+def test_qwen3_flex_document_equals_eager(debug_artifact, tmp_path):
+    """Qwen3 shares the decoder's attention (with its per-head q/k norms): the same choice, tied
+    embeddings, at tp 2 x dp-shard 2."""
+    data = _write_documents(tmp_path / "documents.u16", vocab=512, eos=511)
+    art = debug_artifact(tp=2, dp_shard=2, extra=("--model", "qwen3", "--attention", "flex", "--mask", "document",
+                                                  "--eos-id", "511"))
+    out = tmp_path / "verify.json"
+    r = titan("verify", art, "--steps", 4, "--data", data, "--json", out)
+    assert r.returncode == 0 and "bitwise equal: yes" in r.stdout, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"]
