@@ -100,3 +100,14 @@ def test_qwen3_flex_document_equals_eager(debug_artifact, tmp_path):
     assert r.returncode == 0 and "bitwise equal: yes" in r.stdout, r.stdout + r.stderr
     result = json.loads(out.read_text())
     assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"]
+
+
+def test_selective_checkpointing_keeps_flex_attention_outputs_and_stays_bitwise(debug_artifact, documents_file,
+                                                                               tmp_path):
+    """--ac selective recomputes the cheap ops only: the dense flex kernel is not run again in the
+    backward (as for SDPA), and training stays bitwise."""
+    art = debug_artifact(tp=2, extra=("--attention", "flex", "--mask", "document", "--eos-id", str(EOS),
+                                      "--ac", "selective"))
+    backward = titan("show", art, "--graph", "bw").stdout
+    assert "titan.flex_attention_backward.default" in backward and "titan.flex_attention.default" not in backward
+    assert_every_rank_equals_eager(art, tmp_path, steps=3, ranks=2, extra=("--data", documents_file))
