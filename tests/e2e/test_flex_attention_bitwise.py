@@ -111,3 +111,15 @@ def test_selective_checkpointing_keeps_flex_attention_outputs_and_stays_bitwise(
     backward = titan("show", art, "--graph", "bw").stdout
     assert "titan.flex_attention_backward.default" in backward and "titan.flex_attention.default" not in backward
     assert_every_rank_equals_eager(art, tmp_path, steps=3, ranks=2, extra=("--data", documents_file))
+
+
+@pytest.mark.parametrize("flags,why", [
+    (("--mask", "document", "--eos-id", "3"), "--mask document needs --attention flex"),
+    (("--attention", "flex", "--mask", "document"), "--mask document needs --eos-id ID"),
+    (("--model", "deepseek_v3", "--attention", "flex"), "deepseek_v3 has SDPA causal attention only"),
+    (("--attention", "flash"), "'flash' is not one of 'sdpa', 'flex'"),
+])
+def test_bad_attention_flags_are_one_line_errors(flags, why, tmp_path):
+    r = titan("build", "--flavor", "debug", "--out", tmp_path / "art", *flags)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+    assert why in r.stderr and not (tmp_path / "art").exists()
