@@ -2,8 +2,8 @@
 interleaved pairs, grouped-query attention (with Qwen3's optional per-head norm of queries and
 keys), the SwiGLU feed-forward, the pre-norm block, and the forward pass from token embeddings
 to this rank's share of the loss. Plain PyTorch, written for tracing: attention goes through the
-runtime's device-dispatched op, RoPE tables are computed inside forward (no constants in the
-graph)."""
+runtime's device-dispatched ops (SDPA, or FlexAttention with the causal or document mask), RoPE
+tables and document ids are computed inside forward (no constants in the graph)."""
 
 from __future__ import annotations
 
@@ -135,8 +135,9 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 def decoder_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor:
-    """A decoder's forward: embed `tokens`, run each block of `model.layers` as block(h, cos, sin),
-    norm, project to logits, and return the summed next-token loss divided by `model.loss_scale`
+    """A decoder's forward: embed `tokens`, run each block of `model.layers` as block(h, cos, sin)
+    (with documents=document_ids(tokens, eos_id) when the config's mask is 'document'), norm,
+    project to logits, and return the summed next-token loss divided by `model.loss_scale`
     (the builder sets it to the global batch's token count, so that the data-parallel ranks'
     outputs sum to the mean loss)."""
     documents = document_ids(tokens, model.cfg.eos_id) if getattr(model.cfg, "mask", "causal") == "document" else None
