@@ -2,8 +2,8 @@
 PyTorch at tp 2 and dp-shard 2, with the causal mask and with the document mask whose document
 boundaries sit elsewhere in every step's batch: the mask is data computed inside the step, so
 one artifact serves every batch. The eager reference runs the same model code, whose attention
-is titan::flex_attention: PyTorch's eager FlexAttention math on CPU (tests/unit/test_flex_attention.py
-ties the two)."""
+is titan::flex_attention: PyTorch's eager FlexAttention math on CPU (unit/test_flex_attention.py
+ties the two, and holds the op's contract: its dense reference, its refusals)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def test_the_document_boundaries_move_at_every_step(documents_file):
     assert all(len(row) >= 1 for batch in seen for row in batch)
 
 
+@pytest.mark.slow  # builds and trains artifacts: 30-80 s on the 2-core machine
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_flex_attention_causal_and_document_equal_eager_at_every_step(layout, debug_artifact, documents_file,
                                                                        tmp_path):
@@ -89,6 +90,7 @@ def test_a_token_file_with_another_separator_is_refused(eos_id, fix, debug_artif
     assert f"masks documents that end with token {EOS}; " in r.stderr and fix in r.stderr
 
 
+@pytest.mark.slow  # builds and trains artifacts: 30-80 s on the 2-core machine
 def test_qwen3_flex_document_equals_eager(debug_artifact, tmp_path):
     """Qwen3 shares the decoder's attention (with its per-head q/k norms): the same choice, tied
     embeddings, at tp 2 x dp-shard 2."""
@@ -102,6 +104,7 @@ def test_qwen3_flex_document_equals_eager(debug_artifact, tmp_path):
     assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"]
 
 
+@pytest.mark.slow  # builds and trains artifacts: 30-80 s on the 2-core machine
 def test_selective_checkpointing_keeps_flex_attention_outputs_and_stays_bitwise(debug_artifact, documents_file,
                                                                                tmp_path):
     """--ac selective recomputes the cheap ops only: the dense flex kernel is not run again in the

@@ -3,7 +3,8 @@ the causal or the document mask, the mask computed from document ids that are da
 
 References: PyTorch's own eager flex_attention (forward; torch 2.13 refuses its backward on CPU)
 and its higher-order op's math backward, bit for bit; and, independently, SDPA with an explicit boolean mask built from the document ids (forward and
-gradients, within TOLERANCE: float32 sums in another order)."""
+gradients, within TOLERANCE: float32 sums in another order). Artifacts that train with it,
+bitwise against eager: e2e/test_flex_attention_bitwise.py."""
 
 from __future__ import annotations
 
