@@ -53,11 +53,12 @@ def attention_overrides(cfg: Any, *, model: str, attention: str, mask: str, eos_
     return changed
 
 
-def attention_tags(cfg: Any) -> list[str]:
-    """The artifact name's tags for a non-default choice: ['flex'], ['flex', 'doc-eos2047']."""
-    if getattr(cfg, "attention", "sdpa") == "sdpa":
+def attention_tags(config: dict) -> list[str]:
+    """The tags of a non-default choice in a config's as_dict() (the artifact's name, titan-cache
+    ls): ['flex'], ['flex', 'doc-eos2047']."""
+    if config.get("attention", DEFAULTS["attention"]) == "sdpa":
         return []
-    return ["flex"] + ([f"doc-eos{cfg.eos_id}"] if cfg.mask == "document" else [])
+    return ["flex"] + ([f"doc-eos{config.get('eos_id')}"] if config.get("mask") == "document" else [])
 
 
 def describe_attention(config: dict) -> str:

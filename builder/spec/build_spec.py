@@ -75,7 +75,7 @@ class BuildSpec:
         that two different builds never share a default directory."""
         flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
         return "-".join([f"{self.model}{flavor}", *shape_tags(dict(self.shape)), self.layout.tag(),
-                         *attention_tags(self.cfg), *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
+                         *attention_tags(self.cfg.as_dict()), *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
                                               batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
                                               ac=self.ac, passes=self.passes,
                                               exact_fusion=self.model_spec.exact_fusion)])

@@ -188,7 +188,7 @@ def test_bad_attention_choices_are_refused_with_the_fix(choice, why):
 def test_the_default_choice_leaves_the_config_unchanged():
     assert attention_overrides(DEBUG, model="llama3", attention="sdpa", mask="causal", eos_id=None) == {}
     assert set(DEBUG.as_dict()) & {"attention", "mask", "eos_id"} == set()  # the cache key as before
-    assert attention_tags(DEBUG) == [] and describe_attention(DEBUG.as_dict()) == "sdpa causal"
+    assert attention_tags(DEBUG.as_dict()) == [] and describe_attention(DEBUG.as_dict()) == "sdpa causal"
 
 
 def test_the_memory_estimate_counts_the_dense_kernels_scores_and_mask():
