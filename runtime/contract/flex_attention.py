@@ -8,8 +8,8 @@ every step need no rebuild. The mask is built from `documents` inside the kernel
 tensors' device, without reading anything back to the host.
 
 Why an op of titan's and not torch's `flex_attention` higher-order op: the op's eager math path
-(torch/_higher_order_ops/flex_attention.py, `math_attention` and `sdpa_dense_backward`, torch
-2.11 and 2.13) imports torch._dynamo on every call, which the runtime must not, and the op
+(torch/_higher_order_ops/flex_attention.py, `math_attention` and `sdpa_dense_backward`: torch
+2.13, and upstream's current source alike) imports torch._dynamo on every call, which the runtime must not, and the op
 carries its mask and score functions as Python callables (subgraphs) that an artifact could only
 hold as code. Here the mask is one of two named kinds and its only data a tensor; the kernels
 below compute exactly what that math path computes for an identity score_mod (float32 scores,
