@@ -46,6 +46,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.T
                          f"{(q.shape[0], q.shape[2])}, got {documents.dtype} {tuple(documents.shape)}; rebuild the artifact")
 
 
+def _check_backward(grad_out, q, k, v, out, lse, documents) -> None:
+    _check(q, k, v, documents)
+    if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
+        raise ValueError(f"flex_attention_backward takes grad_out and out like q {tuple(q.shape)} and a logsumexp of "
+                         f"{tuple(q.shape[:3])}, got {tuple(grad_out.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}; "
+                         "rebuild the artifact")
+
+
 def attention_mask(documents: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor:
     """True where query m may attend to key n: n <= m (causal) and, with `documents`, the same
     document. (seq, seq), or (batch, 1, seq, seq) with documents; built on `device`."""
@@ -80,7 +88,7 @@ def _flex_attention(q, k, v, documents):
 def _flex_attention_backward(grad_out, q, k, v, out, lse, documents):
     """Returns (grad_q, grad_k, grad_v), each contiguous like q: FlexAttention's math backward
     for an identity score_mod (no gradient flows into the logsumexp)."""
-    _check(q, k, v, documents)
+    _check_backward(grad_out, q, k, v, out, lse, documents)
     scale = 1.0 / math.sqrt(q.shape[-1])
     mask = attention_mask(documents, q.shape[2], q.device)
     probs = torch.exp(_masked_scores(q, k, mask) - (lse * math.log(2)).unsqueeze(-1))
@@ -100,7 +108,7 @@ def _flex_attention_fake(q, k, v, documents):
 
 
 def _flex_attention_backward_fake(grad_out, q, k, v, out, lse, documents):
-    _check(q, k, v, documents)
+    _check_backward(grad_out, q, k, v, out, lse, documents)
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 

@@ -127,6 +127,15 @@ def test_document_ids_of_the_wrong_shape_or_dtype_are_refused(documents, why):
         flex_attention(q, k, v, documents)
 
 
+def test_backward_inputs_of_another_shape_are_refused():
+    q, k, v = _qkv(2)
+    out, lse = torch.ops.titan.flex_attention(q, k, v, None)
+    with pytest.raises(ValueError, match="flex_attention_backward takes grad_out"):
+        torch.ops.titan.flex_attention_backward(out[:1], q, k, v, out, lse, None)  # would broadcast
+    with pytest.raises(ValueError, match="logsumexp"):
+        torch.ops.titan.flex_attention_backward(out, q, k, v, out, lse[..., :1], None)
+
+
 def _flex_graph(args: list) -> bytes:
     return _blob([
         {"name": "q", "op": "placeholder"},
