@@ -59,7 +59,8 @@ def main(shape_args, **values):
     shape.update({k: v for k in SHAPE_FIELDS if (v := getattr(cfg, k)) is not None})
     spec = make_spec(model=model, flavor=flavor, tp=cfg.tp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate,
                      ep=cfg.ep, batch_size=cfg.batch_size, seq_len=cfg.seq_len, partitioner=cfg.partitioner,
-                     dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse,
+                     dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse, attention=cfg.attention, mask=cfg.mask,
+                     eos_id=cfg.eos_id,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape)
     out = out or Path("artifacts") / spec.name
     lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work

@@ -117,8 +117,10 @@ def ls_cmd(ctx):
 
 
 def _custom_shape(factors: dict) -> list[str]:
-    """Tags for the model dimensions an entry set on top of its flavor (titan-build --dim ...)."""
+    """Tags for the model dimensions an entry set on top of its flavor (titan-build --dim ...) and
+    its attention choice (--attention flex ...)."""
     from titan.builder.models import MODELS
+    from titan.builder.models.attention import attention_tags
     from titan.builder.models.shape import shape_tags
 
     family = MODELS.get(factors["model"])
@@ -126,7 +128,7 @@ def _custom_shape(factors: dict) -> list[str]:
         return []
     base = family.flavors[factors["flavor"]].as_dict()
     config = factors.get("model config") or {}
-    return shape_tags({k: v for k, v in config.items() if k in base and base[k] != v})
+    return shape_tags({k: v for k, v in config.items() if k in base and base[k] != v}) + attention_tags(config)
 
 
 @main.command("info")

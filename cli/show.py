@@ -15,6 +15,7 @@ from titan.cli.options import NON_NEGATIVE
               help="Which graphs to list: forward (fw), backward (bw) or both.")
 def main(artifact, rank, graph):
     """List the forward and/or backward graph of one rank."""
+    from titan.builder.models.attention import describe_attention
     from titan.cli.tools.graph_listing import list_graph, list_rank_plan
     from titan.runtime.contract.artifact import open_artifact
 
@@ -22,6 +23,7 @@ def main(artifact, rank, graph):
 
     art = open_artifact(artifact, check_torch=False)
     click.echo(describe_code(art))
+    click.echo(f"attention: {describe_attention(art.manifest.model_config)}")
     for line in list_rank_plan(art, rank):
         click.echo(line)
     kinds = {"fw": ["forward"], "bw": ["backward"], "all": ["forward", "backward"]}[graph]

@@ -139,6 +139,7 @@ def check_token_file(path: str | Path, *, dtype: str | None, manifest: Manifest,
     the run reads the file more than once)."""
     path = Path(path)
     _, tokens = _token_count(path, dtype=dtype, vocab_size=manifest.vocab_size)
+    _check_separator(path, manifest)
     seq_len = manifest.seq_len
     windows = _windows(path, tokens, seq_len)
     needed = steps * manifest.batch_size * manifest.dp_degree
@@ -146,6 +147,22 @@ def check_token_file(path: str | Path, *, dtype: str | None, manifest: Manifest,
         return [f"note: --data {path} holds {windows:,} sequences of {seq_len + 1} tokens and {steps} steps read "
                 f"{needed:,}: the run goes over the file {needed / windows:.1f} times (from its start again each time)"]
     return []
+
+
+def _check_separator(path: Path, manifest: Manifest) -> None:
+    """An artifact built with --mask document finds documents by its --eos-id: a file whose sidecar
+    records another separator (or none) would train without its document boundaries."""
+    eos = manifest.model_config.get("eos_id")
+    side = sidecar_path(path)
+    if eos is None or not side.is_file():
+        return
+    recorded = json.loads(side.read_text()).get("eos_id")  # readable: token_file_dtype read it
+    if recorded != eos:
+        ends = "no separator" if recorded is None else f"separator id {recorded}"
+        fix = (f"rebuild it with --eos-id {recorded}" if recorded is not None else
+               "tokenize with a separator (titan-data --eos) or build it with --mask causal")
+        raise ValueError(f"--data {path} was written with {ends} ({side}) but the artifact masks documents that "
+                         f"end with token {eos}; {fix}")
 
 
 def describe_token_file(path: str | Path, *, dtype: str | None, vocab_size: int) -> str:

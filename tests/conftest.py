@@ -71,11 +71,12 @@ def titan(command: str, *args, env: dict | None = None, timeout: float = 900) ->
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def assert_every_rank_equals_eager(art: Path, tmp_path: Path, *, steps: int, ranks: int) -> dict:
-    """titan-verify of a debug artifact: every step's loss and every parameter after the last
-    step torch.equal to eager on each of `ranks` ranks; returns its JSON result."""
+def assert_every_rank_equals_eager(art: Path, tmp_path: Path, *, steps: int, ranks: int, extra: tuple = ()) -> dict:
+    """titan-verify of a debug artifact (with `extra` options, e.g. --data): every step's loss and
+    every parameter after the last step torch.equal to eager on each of `ranks` ranks; returns
+    its JSON result."""
     out = tmp_path / "verify.json"
-    r = titan("verify", art, "--steps", steps, "--json", out)
+    r = titan("verify", art, "--steps", steps, "--json", out, *extra)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bitwise equal: yes" in r.stdout
     assert f"parameters after step {steps}: all bitwise equal (21 tensors per rank, {ranks} ranks)" in r.stdout

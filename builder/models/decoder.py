@@ -2,8 +2,8 @@
 interleaved pairs, grouped-query attention (with Qwen3's optional per-head norm of queries and
 keys), the SwiGLU feed-forward, the pre-norm block, and the forward pass from token embeddings
 to this rank's share of the loss. Plain PyTorch, written for tracing: attention goes through the
-runtime's device-dispatched op, RoPE tables are computed inside forward (no constants in the
-graph)."""
+runtime's device-dispatched ops (SDPA, or FlexAttention with the causal or document mask), RoPE
+tables and document ids are computed inside forward (no constants in the graph)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan.runtime.contract.flex_attention import flex_attention
 from titan.runtime.contract.ops import causal_attention
 
 
@@ -50,11 +51,14 @@ class GroupedQueryAttention(nn.Module):
 
     `head_dim` is explicit (Qwen3's is not dim / n_heads). With `qk_norm_eps`, queries and keys
     are RMS-normed per head (one weight of head_dim, shared by every head) before RoPE, as in
-    Qwen3; Llama has none.
+    Qwen3; Llama has none. `attention` 'flex' runs titan's FlexAttention op, masked to each
+    token's document when forward is given `documents` (see document_ids).
     """
 
-    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None):
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None,
+                 attention: str = "sdpa"):
         super().__init__()
+        self.flex = attention == "flex"
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -67,7 +71,8 @@ class GroupedQueryAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 for the head count: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -79,7 +84,7 @@ class GroupedQueryAttention(nn.Module):
         repeats = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = causal_attention(q, k, v)
+        out = flex_attention(q, k, v, documents) if self.flex else causal_attention(q, k, v)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
@@ -110,20 +115,35 @@ class DecoderBlock(nn.Module):
         self.moe = moe
         self.feed_forward = feed_forward
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        # `documents` goes by keyword: the tensor-parallel plan prepares attention's three
+        # positional inputs and passes keywords through.
+        extra = {} if documents is None else {"documents": documents}
+        h = x + self.attention(self.attention_norm(x), cos, sin, **extra)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Each token's document number within its sequence, (batch, seq) int64: the count of
+    end-of-document tokens before it, so the separator belongs to the document it ends and a
+    sequence that starts inside a document calls that part document 0. Computed on the tokens'
+    device inside the step: the boundaries are data, never constants of the graph."""
+    ends = (tokens == eos_id).to(torch.int64)
+    return torch.cumsum(ends, dim=1) - ends
 
 
 def decoder_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor:
-    """A decoder's forward: embed `tokens`, run each block of `model.layers` as block(h, cos, sin),
-    norm, project to logits, and return the summed next-token loss divided by `model.loss_scale`
+    """A decoder's forward: embed `tokens`, run each block of `model.layers` as block(h, cos, sin)
+    (with documents=document_ids(tokens, eos_id) when the config's mask is 'document'), norm,
+    project to logits, and return the summed next-token loss divided by `model.loss_scale`
     (the builder sets it to the global batch's token count, so that the data-parallel ranks'
     outputs sum to the mean loss)."""
+    documents = document_ids(tokens, model.cfg.eos_id) if getattr(model.cfg, "mask", "causal") == "document" else None
     h = model.tok_embeddings(tokens)
     for block in model.layers.values():
-        h = block(h, cos, sin)
+        h = block(h, cos, sin) if documents is None else block(h, cos, sin, documents=documents)
     logits = model.output(model.norm(h))
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
     return loss / model.loss_scale

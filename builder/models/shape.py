@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from titan.builder.models.attention import DEFAULTS as ATTENTION_FIELDS
+
 if TYPE_CHECKING:
     from titan.builder.models.spec import ModelConfig, ModelSpec
 
@@ -61,6 +63,8 @@ def apply_shape(family: ModelSpec, cfg: ModelConfig, overrides: Mapping[str, Any
     for name, value in overrides.items():
         if name not in fields:
             raise ValueError(f"{family.name} has no dimension {name!r}; its config's fields are: {', '.join(fields)}")
+        if name in ATTENTION_FIELDS:
+            raise ValueError(f"--shape {name}: the attention is chosen with --{name.replace('_', '-')}, not as a dimension")
         values[name] = _convert(family.name, fields[name], value)
     shaped = dataclasses.replace(cfg, **values)
     family.check_shape(shaped)

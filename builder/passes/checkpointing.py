@@ -46,7 +46,8 @@ def _expensive_ops() -> set:
     import titan.runtime.contract.ops  # noqa: F401  (registers torch.ops.titan)
     from titan.builder.passes.collectives import REDUCE_SCATTER
 
-    return {torch.ops.aten.mm.default, torch.ops.titan.attention.default, REDUCE_SCATTER}
+    return {torch.ops.aten.mm.default, torch.ops.titan.attention.default, torch.ops.titan.flex_attention.default,
+            REDUCE_SCATTER}
 
 
 def _expensive(n: fx.Node, expensive_ops: set) -> bool:

@@ -57,6 +57,12 @@ class BuildConfig:
     """Also compile the fusion kernels on this host's GPU (one GPU of the kind the job will use) into the cache entry and the artifact, so that no rank compiles at start-up."""
     sign: str | None = setting(None, check="file")
     """Sign the artifact's manifest with this key file (made, mode 0600, if missing) instead of your own cache key: titan-run --trust KEYFILE then loads the compiled kernels it carries."""
+    attention: Literal["sdpa", "flex"] = "sdpa"
+    """Attention kernel: sdpa (causal scaled-dot-product attention), or flex (FlexAttention, with --mask); llama3 and qwen3."""
+    mask: Literal["causal", "document"] = "causal"
+    """Attention mask with --attention flex: causal, or document (each token attends to earlier tokens of its own document, found from --eos-id in each batch, inside the step)."""
+    eos_id: int | None = setting(None, check="non_negative")
+    """With --mask document: the token id that ends each document (titan-data prints it as 'separator id N')."""
     n_layers: int | None = setting(None, check="positive")
     """Transformer blocks (default: the flavor's)."""
     dim: int | None = setting(None, check="positive")

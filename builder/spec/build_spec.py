@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from titan.builder.passes.checkpointing import AC_POLICIES
 from titan.builder.spec.layout import check_layout
 from titan.builder.models import model_spec
+from titan.builder.models.attention import attention_overrides, attention_tags
 from titan.builder.models.shape import apply_shape, shape_tags
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes.registry import check_passes, default_passes
@@ -50,6 +51,9 @@ class BuildSpec:
     shape: tuple[tuple[str, int | float], ...] = ()
     """Dimensions set on top of the flavor (field, value), checked by make_spec
     (builder/models/shape.py); part of the model config and of the artifact's name."""
+    attention: tuple[tuple[str, Any], ...] = ()
+    """The attention choice's config fields that differ from SDPA causal (field, value),
+    checked by builder/models/attention.py; part of the model config and of the artifact's name."""
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -61,7 +65,7 @@ class BuildSpec:
 
     @property
     def cfg(self) -> ModelConfig:
-        cfg = replace(self.model_spec.flavors[self.flavor], **dict(self.shape))
+        cfg = replace(self.model_spec.flavors[self.flavor], **dict(self.shape), **dict(self.attention))
         return cfg if self.n_layers is None else replace(cfg, n_layers=self.n_layers)
 
     @property
@@ -71,7 +75,7 @@ class BuildSpec:
         that two different builds never share a default directory."""
         flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
         return "-".join([f"{self.model}{flavor}", *shape_tags(dict(self.shape)), self.layout.tag(),
-                         *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
+                         *attention_tags(self.cfg.as_dict()), *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
                                               batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
                                               ac=self.ac, passes=self.passes,
                                               exact_fusion=self.model_spec.exact_fusion)])
@@ -127,7 +131,8 @@ def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: in
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int, ep: int = 1,
               batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
-              fuse: str | None = None, shape: Mapping[str, Any] | None = None) -> BuildSpec:
+              fuse: str | None = None, shape: Mapping[str, Any] | None = None, attention: str = "sdpa",
+              mask: str = "causal", eos_id: int | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it.
     `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py)."""
     family = model_spec(model)
@@ -139,6 +144,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
     shaped = apply_shape(family, family.flavors[flavor], shape or {})
     check_layout(family, shaped, layout)
+    chosen = attention_overrides(shaped, model=model, attention=attention, mask=mask, eos_id=eos_id)
     default_b, default_s = _default_shape(flavor)
     batch_size = default_b if batch_size is None else batch_size
     seq_len = default_s if seq_len is None else seq_len
@@ -164,4 +170,5 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     check_passes(passes, sizes)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac,
-                     shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})))
+                     shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})),
+                     attention=tuple(sorted(chosen.items())))

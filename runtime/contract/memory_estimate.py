@@ -6,7 +6,10 @@ kill minutes in (or a host brought down by a crafted artifact's world size).
 The estimate is a lower bound, from the program's metadata and its graphs' recorded shapes:
 the fp32 parameters and AdamW's two moments (alive from the first step on), the buffers, and
 the larger of the saved activations (all alive at the end of the forward) and the largest
-single result of either graph. Gradients and other transients come on top, so a program over
+single result of either graph, plus the dense FlexAttention kernel's workspace where a graph
+calls it (its (batch, heads, seq, seq) float32 scores and the boolean mask: the mask of an
+artifact built with --attention flex is made inside that kernel, issue 31). Gradients and other
+transients come on top, so a program over
 the bound cannot run, and one under it may still not: it never refuses a run that fits.
 No torch import at module level (titan-run's launcher checks before it imports torch)."""
 
@@ -48,6 +51,8 @@ class MemoryEstimate:
     """The model's buffers (fp32 / int64)."""
     activations: int
     """The larger of the saved activations and the largest single graph result."""
+    attention_workspace: int = 0
+    """The dense FlexAttention kernel's scores and mask at its largest call (0: no flex attention)."""
 
     @property
     def param_state(self) -> int:
@@ -55,11 +60,34 @@ class MemoryEstimate:
 
     @property
     def at_least(self) -> int:
-        return self.param_elements * PARAM_LIVE_BYTES + self.buffers + self.activations
+        return self.param_elements * PARAM_LIVE_BYTES + self.buffers + self.activations + self.attention_workspace
 
     def describe(self) -> str:
         return (f"at least {self.at_least / GIB:.2f} GiB per rank (parameters and AdamW state "
-                f"{self.param_elements * PARAM_LIVE_BYTES / GIB:.2f} GiB, activations {self.activations / GIB:.2f} GiB)")
+                f"{self.param_elements * PARAM_LIVE_BYTES / GIB:.2f} GiB, activations {self.activations / GIB:.2f} GiB"
+                + (f", flex attention scores and mask {self.attention_workspace / GIB:.2f} GiB"
+                   if self.attention_workspace else "") + ")")
+
+
+_FLEX_SCORE_TENSORS = {"titan.flex_attention.default": (0, 2), "titan.flex_attention_backward.default": (1, 3)}
+"""Flex op -> (position of q among its arguments, float32 (batch, heads, seq, seq) tensors its
+dense kernel holds at once: scores and probabilities; probabilities, their gradient and the
+scores' gradient)."""
+
+
+def flex_attention_workspace(graphs) -> int:
+    """Bytes the dense FlexAttention kernel (runtime/contract/flex_attention.py) holds at its
+    largest call in `graphs`: its score-sized float32 tensors and the (batch, seq, seq) mask."""
+    largest = 0
+    for g in graphs:
+        for n in g.graph.nodes:
+            found = _FLEX_SCORE_TENSORS.get(str(n.target)) if n.op == "call_function" else None
+            q_val = found and n.args[found[0]].meta.get("titan_val")
+            if not (isinstance(q_val, dict) and isinstance(q_val.get("shape"), list) and len(q_val["shape"]) == 4):
+                continue
+            b, h, s, _ = q_val["shape"]
+            largest = max(largest, found[1] * b * h * s * s * 4 + b * s * s)
+    return largest
 
 
 def param_elements(record: RankRecord) -> int:
@@ -95,7 +123,8 @@ def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: 
     largest = max((_val_bytes(n.meta.get("titan_val")) for g in (forward, backward) for n in g.graph.nodes
                    if n.op == "call_function"), default=0)
     return MemoryEstimate(param_elements=param_elements(record), buffers=_buffer_bytes(record),
-                          activations=max(saved, largest))
+                          activations=max(saved, largest),
+                          attention_workspace=flex_attention_workspace((forward, backward)))
 
 
 def host_memory() -> tuple[int, int] | None:

@@ -15,7 +15,7 @@ reviewed and added here (and OPS_VERSION bumped when an artifact could then carr
 
 from __future__ import annotations
 
-OPS_VERSION = 2
+OPS_VERSION = 3  # 3: FlexAttention and document ids (issue 31)
 
 ALLOWED_OPS: frozenset[str] = frozenset({
     # collectives (process groups are bound by the runtime: "$group")
@@ -26,6 +26,11 @@ ALLOWED_OPS: frozenset[str] = frozenset({
     # attention, dispatched per device (runtime/contract/ops.py)
     "titan.attention.default",
     "titan.attention_backward.default",
+    # FlexAttention, causal or document-masked (runtime/contract/flex_attention.py), and the
+    # document ids it is given: eq (end-of-document tokens) and cumsum, inside the step
+    "titan.flex_attention.default",
+    "titan.flex_attention_backward.default",
+    "aten.eq.Scalar",
     # matmul, loss, embedding
     "aten.mm.default",
     "aten._log_softmax.default",

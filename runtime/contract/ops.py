@@ -145,3 +145,4 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 # The other titan:: op, the mixture-of-experts grouped GEMM, has its own module; importing this
 # one registers every op a graph may call.
 import titan.runtime.contract.grouped_mm  # noqa: E402,F401
+import titan.runtime.contract.flex_attention  # noqa: E402,F401

@@ -36,6 +36,11 @@ def test_training_imports_no_builder_or_compiler(debug_artifact):
     assert "TENSORBOARD False" in out
 
 
+def test_flex_attention_with_the_document_mask_imports_no_builder_or_compiler(debug_artifact):
+    """PyTorch's own flex_attention path imports torch._dynamo on every call; titan's op must not."""
+    _probe(debug_artifact(extra=("--attention", "flex", "--mask", "document", "--eos-id", "7")), "dict(steps=2)")
+
+
 def test_tensorboard_scalars_import_no_builder_or_compiler(debug_artifact, tmp_path):
     pytest.importorskip("tensorboard")
     out = _probe(debug_artifact(), f"dict(steps=2, tensorboard={str(tmp_path / 'tb')!r})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from titan.builder.models.attention import without_default_attention
 from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
 
@@ -32,6 +33,12 @@ class LlamaConfig:
     ffn_dim: int | None = None
     """The SwiGLU hidden width, when set (titan-build --ffn-dim); None: derived from dim,
     ffn_dim_multiplier and multiple_of as Llama 3 does."""
+    attention: str = "sdpa"
+    """sdpa or flex (builder/models/attention.py; titan-build --attention)."""
+    mask: str = "causal"
+    """causal, or document: flex attention within each document (titan-build --mask)."""
+    eos_id: int | None = None
+    """With the document mask: the token that ends each document (titan-build --eos-id)."""
 
     @property
     def head_dim(self) -> int:
@@ -54,7 +61,7 @@ class LlamaConfig:
         return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return without_default_attention(dataclasses.asdict(self))
 
 
 def check_shape(cfg: LlamaConfig) -> None:

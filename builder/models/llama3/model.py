@@ -14,7 +14,8 @@ from titan.builder.models.llama3.config import LlamaConfig
 
 
 def transformer_block(cfg: LlamaConfig) -> DecoderBlock:
-    attention = GroupedQueryAttention(dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim)
+    attention = GroupedQueryAttention(dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                                      attention=cfg.attention)
     return DecoderBlock(dim=cfg.dim, norm_eps=cfg.norm_eps, attention=attention,
                         feed_forward=SwiGLU(cfg.dim, cfg.ffn_hidden))
 

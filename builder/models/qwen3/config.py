@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from titan.builder.models.attention import without_default_attention
 from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
 
@@ -45,6 +46,12 @@ class Qwen3Config:
     """Block i has experts when (i + 1) is a multiple of this (and i is not in mlp_only_layers)."""
     mlp_only_layers: tuple[int, ...] = ()
     """Blocks that keep the dense feed-forward in a mixture-of-experts model."""
+    attention: str = "sdpa"
+    """sdpa or flex (builder/models/attention.py; titan-build --attention)."""
+    mask: str = "causal"
+    """causal, or document: flex attention within each document (titan-build --mask)."""
+    eos_id: int | None = None
+    """With the document mask: the token that ends each document (titan-build --eos-id)."""
 
     def __post_init__(self):
         # The manifest's JSON gives a list back (config_from_dict).
@@ -78,7 +85,7 @@ class Qwen3Config:
         return odd[-1] + 1 if odd else 0
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return without_default_attention(dataclasses.asdict(self))
 
 
 _QWEN3 = dict(vocab_size=151936, head_dim=128)

@@ -16,7 +16,8 @@ from titan.builder.models.qwen3.moe import MoE
 
 def transformer_block(cfg: Qwen3Config, layer: int) -> DecoderBlock:
     attention = GroupedQueryAttention(dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                                      head_dim=cfg.head_dim, qk_norm_eps=cfg.norm_eps)
+                                      head_dim=cfg.head_dim, qk_norm_eps=cfg.norm_eps,
+                                      attention=cfg.attention)
     moe = cfg.is_moe_layer(layer)
     return DecoderBlock(dim=cfg.dim, norm_eps=cfg.norm_eps, attention=attention,
                         feed_forward=MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.ffn_hidden), moe=moe)

@@ -1,0 +1,128 @@
+"""FlexAttention artifacts (titan-build --attention flex, issue 31) train bit for bit like eager
+PyTorch at tp 2 and dp-shard 2, with the causal mask and with the document mask whose document
+boundaries sit elsewhere in every step's batch: the mask is data computed inside the step, so
+one artifact serves every batch. The eager reference runs the same model code, whose attention
+is titan::flex_attention: PyTorch's eager FlexAttention math on CPU (unit/test_flex_attention.py
+ties the two, and holds the op's contract: its dense reference, its refusals)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_every_rank_equals_eager, titan
+from titan.builder.models.attention import describe_attention
+from titan.runtime.data import TokenFile, sidecar_path
+
+STEPS = 10
+EOS = 2047
+LAYOUTS = [dict(tp=2), dict(dp_shard=2)]
+
+
+def _write_documents(path, *, vocab: int, eos: int):
+    """A token file (and its sidecar) of documents 3-90 tokens long, each followed by `eos`:
+    every step's batch has its boundaries at other positions."""
+    g = torch.Generator().manual_seed(7)
+    parts, total = [], 0
+    while total < 8192:
+        doc = torch.randint(0, eos, (int(torch.randint(3, 91, (1,), generator=g)),), generator=g)
+        parts += [doc, torch.tensor([eos])]
+        total += len(doc) + 1
+    path.write_bytes(torch.cat(parts).numpy().astype(np.uint16).tobytes())
+    _sidecar(path, total, eos, vocab=vocab)
+    return path
+
+
+@pytest.fixture(scope="module")
+def documents_file(tmp_path_factory):
+    return _write_documents(tmp_path_factory.mktemp("data") / "documents.u16", vocab=2048, eos=EOS)
+
+
+def _sidecar(path, tokens: int, eos_id: int | None, *, vocab: int = 2048) -> None:
+    """What titan-data writes beside a token file (runtime/data.py), for a separator `eos_id`."""
+    sidecar_path(path).write_text(json.dumps({"format": "titan-tokens", "format_version": 1, "dtype": "uint16",
+                                              "vocab_size": vocab, "tokens": tokens, "eos_id": eos_id}))
+
+
+def _boundaries(path, step: int, dp_rank: int) -> list[list[int]]:
+    data = TokenFile(path, dtype="uint16", vocab_size=2048, batch_size=2, seq_len=128, dp_rank=dp_rank, dp_degree=1)
+    tokens, _ = data.batch(step)
+    return [torch.nonzero(row == EOS).flatten().tolist() for row in tokens]
+
+
+def test_the_document_boundaries_move_at_every_step(documents_file):
+    seen = [_boundaries(documents_file, step, 0) for step in range(STEPS)]
+    assert all(seen[i] != seen[i + 1] for i in range(STEPS - 1))
+    assert all(len(row) >= 1 for batch in seen for row in batch)
+
+
+@pytest.mark.slow  # builds and trains artifacts: 30-80 s on the 2-core machine
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_flex_attention_causal_and_document_equal_eager_at_every_step(layout, debug_artifact, documents_file,
+                                                                       tmp_path):
+    losses = {}
+    for mask in ("causal", "document"):
+        flags = ("--attention", "flex", "--mask", mask) + (("--eos-id", str(EOS)) if mask == "document" else ())
+        art = debug_artifact(**layout, extra=flags)
+        manifest = json.loads((art / "manifest.json").read_text())
+        assert describe_attention(manifest["model_config"]) == \
+            ("flex causal" if mask == "causal" else f"flex document (eos id {EOS})")
+        run = tmp_path / mask
+        run.mkdir()
+        result = assert_every_rank_equals_eager(art, run, steps=STEPS, ranks=2, extra=("--data", documents_file))
+        assert len(result["artifact"]) == STEPS
+        losses[mask] = result["artifact"]
+    # The document mask is in effect: the same tokens give other losses than the causal mask.
+    assert all(a != b for a, b in zip(losses["causal"], losses["document"]))
+
+
+@pytest.mark.parametrize("eos_id,fix", [(5, "rebuild it with --eos-id 5"), (None, "titan-data --eos")])
+def test_a_token_file_with_another_separator_is_refused(eos_id, fix, debug_artifact, documents_file, tmp_path):
+    art = debug_artifact(tp=2, extra=("--attention", "flex", "--mask", "document", "--eos-id", str(EOS)))
+    data = tmp_path / "other.u16"
+    data.write_bytes(documents_file.read_bytes())
+    _sidecar(data, data.stat().st_size // 2, eos_id)
+    r = titan("run", art, "--steps", 1, "--data", data)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+    assert f"masks documents that end with token {EOS}; " in r.stderr and fix in r.stderr
+
+
+@pytest.mark.slow  # builds and trains artifacts: 30-80 s on the 2-core machine
+def test_qwen3_flex_document_equals_eager(debug_artifact, tmp_path):
+    """Qwen3 shares the decoder's attention (with its per-head q/k norms): the same choice, tied
+    embeddings, at tp 2 x dp-shard 2."""
+    data = _write_documents(tmp_path / "documents.u16", vocab=512, eos=511)
+    art = debug_artifact(tp=2, dp_shard=2, extra=("--model", "qwen3", "--attention", "flex", "--mask", "document",
+                                                  "--eos-id", "511"))
+    out = tmp_path / "verify.json"
+    r = titan("verify", art, "--steps", 4, "--data", data, "--json", out)
+    assert r.returncode == 0 and "bitwise equal: yes" in r.stdout, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"]
+
+
+@pytest.mark.slow  # builds and trains artifacts: 30-80 s on the 2-core machine
+def test_selective_checkpointing_keeps_flex_attention_outputs_and_stays_bitwise(debug_artifact, documents_file,
+                                                                               tmp_path):
+    """--ac selective recomputes the cheap ops only: the dense flex kernel is not run again in the
+    backward (as for SDPA), and training stays bitwise."""
+    art = debug_artifact(tp=2, extra=("--attention", "flex", "--mask", "document", "--eos-id", str(EOS),
+                                      "--ac", "selective"))
+    backward = titan("show", art, "--graph", "bw").stdout
+    assert "titan.flex_attention_backward.default" in backward and "titan.flex_attention.default" not in backward
+    assert_every_rank_equals_eager(art, tmp_path, steps=3, ranks=2, extra=("--data", documents_file))
+
+
+@pytest.mark.parametrize("flags,why", [
+    (("--mask", "document", "--eos-id", "3"), "--mask document needs --attention flex"),
+    (("--attention", "flex", "--mask", "document"), "--mask document needs --eos-id ID"),
+    (("--model", "deepseek_v3", "--attention", "flex"), "deepseek_v3 has SDPA causal attention only"),
+    (("--attention", "flash"), "'flash' is not one of 'sdpa', 'flex'"),
+])
+def test_bad_attention_flags_are_one_line_errors(flags, why, tmp_path):
+    r = titan("build", "--flavor", "debug", "--out", tmp_path / "art", *flags)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+    assert why in r.stderr and not (tmp_path / "art").exists()
