@@ -103,7 +103,10 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
                            "artifact_grad_norm": [x.item().hex() for x in graph.grad_norms],
                            "eager_val_loss": [[s, x.item().hex()] for s, x in eager.val_losses],
                            "artifact_val_loss": [[s, x.item().hex()] for s, x in graph.val_losses],
-                           "parameters_differing": differ, "bitwise_equal": equal}, f)
+                           "parameters_differing": differ, "bitwise_equal": equal,
+                           # A bounded MoE dispatch: each step's micro-batches redone dropless.
+                           **({"artifact_moe_redone": [r["moe_redone"] for r in verdict.artifact_steps]}
+                              if verdict.artifact_steps and "moe_redone" in verdict.artifact_steps[0] else {})}, f)
         print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  {'eager grad norm':>22}  "
               f"{'artifact grad norm':>22}  same")
         for i, (a, b, na, nb) in enumerate(zip(eager.losses, graph.losses, eager.grad_norms, graph.grad_norms), 1):
@@ -148,7 +151,9 @@ def _summary(v) -> str:
         parts.append(f"loss {first['loss']:.4f} at step {first['step']}, {last['loss']:.4f} at step {last['step']}")
     if memory:
         parts.append(memory)
-    return "; ".join(p for p in parts if p) + "."
+    from titan.runtime.moe_redo import redo_summary
+    redo = redo_summary(v.artifact_steps)
+    return "; ".join(p for p in parts if p) + "." + (f"\n{redo}." if redo else "")
 
 
 def _numerics_changing_passes(artifact: str) -> list[str]:

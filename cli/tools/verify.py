@@ -86,7 +86,8 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
         graph_run = train_loop(step, make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw),
                                make_data(m, cfg, program.coords), grad_norm=grad_norm_function(program, recipe, mesh),
                                validation=make_validation(program.forward_loss, m, cfg, program.coords, device=device,
-                                                          mesh=mesh), log=artifact_steps.append, **kw)
+                                                          mesh=mesh), log=artifact_steps.append,
+                               step_metrics=program.step_metrics if program.redo is not None else None, **kw)
     fqns = art.rank_record(env.rank).param_fqns
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
     return Verdict(eager=eager_run, artifact=graph_run, device=device, params_differ=differ, params=len(fqns),
