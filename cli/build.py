@@ -131,6 +131,11 @@ def main(shape_args, **values):
     programs = len(manifest.programs)
     if outcome.note:
         click.echo(f"note: {outcome.note}")
+    if spec.moe_redo:
+        from titan.runtime.contract.artifact import open_artifact
+        from titan.runtime.contract.memory_estimate import capacity_saving
+        art = open_artifact(out, check_torch=False)
+        click.echo("memory: " + capacity_saving(art.rank_record(0), art.rank_record(0, redo=True)))
     shallow = f" in {outcome.traces} shallow traces" if outcome.traces > len(outcome.traced) else ""
     traced = f"traced {len(outcome.traced)} rank(s){shallow} into " if outcome.traced else ""
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {traced}{programs} program{'s' * (programs > 1)} "

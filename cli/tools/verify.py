@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from titan.cli.tools.eager import EagerProgram
+from titan.cli.tools.verify_reference import drop_capacity
 from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.runtime.contract.artifact import open_artifact
@@ -62,7 +63,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
     with phases(f"rank {env.rank}: building the model eagerly and training it {cfg.steps} step(s)", short="eager"):
         eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
                              device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
-                             micro_batches=recipe.micro_batches)
+                             micro_batches=recipe.micro_batches, capacity_factor=drop_capacity(m))
         # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors),
         # LR scheduler and clip_grad_norm_.
         eager_opt = torch.optim.AdamW(eager.params, lr=recipe.schedule.lr, foreach=False, **recipe.adamw)
