@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from conftest import read_metrics, titan
@@ -25,6 +26,9 @@ from titan.runtime.data import SyntheticTokens
 BATCH, SEQ = 2, 64  # per data-parallel rank, as tests/e2e/test_expert_parallel_bitwise.py (its dropless build is shared)
 REDO_FACTOR = 1.1  # at this shape and seed, 4 of the first 10 steps overflow
 STEPS = 10
+# Each test builds (the bounded artifact and, once per session, the dropless one it carries) and
+# runs titan-verify or titan-run and eager gloo ranks: 60-80 s each on the loaded 2-core machine.
+pytestmark = pytest.mark.slow
 
 
 def _build(out, *extra):
