@@ -136,6 +136,9 @@ def main(shape_args, **values):
         from titan.runtime.contract.memory_estimate import capacity_saving
         art = open_artifact(out, check_torch=False)
         click.echo("memory: " + capacity_saving(art.rank_record(0), art.rank_record(0, redo=True)))
+        if (art.rank_record(0).model_plan or {}).get("dropless"):
+            click.echo(f"note: capacity {spec.moe_capacity:g} reaches the dropless bound of this layout: no step can "
+                       "overflow, and the dropless build alone would do")
     shallow = f" in {outcome.traces} shallow traces" if outcome.traces > len(outcome.traced) else ""
     traced = f"traced {len(outcome.traced)} rank(s){shallow} into " if outcome.traced else ""
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {traced}{programs} program{'s' * (programs > 1)} "

@@ -116,6 +116,9 @@ class GraphProgram:
             # The redo runs alone (the bounded attempt's tensors are freed first): it must fit too.
             check_device(estimate_from_graphs(dropless, forward, backward), device,
                          name=f"{artifact.root} rank {rank} (its dropless redo program)")
+            # Its regions are compiled as the bounded program's are: both must run the same kernels.
+            compile_program_regions(forward, backward, device,
+                                    artifact_kernel=artifact.kernel if artifact_kernels else None)
             self.redo = OverflowRedo(record, dropless, forward, backward, where=f"{artifact.root} rank {rank}")
 
     def _forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
@@ -338,8 +341,9 @@ def step_function(program: GraphProgram, cfg: RunConfig, device: torch.device):
     if device.type != "cuda" or not cfg.cuda_graphs:
         yield program.step
         return
-    if program.redo is not None:
-        raise ValueError("this artifact bounds its MoE dispatch and redoes overflowing steps, which titan-run does not "
+    if program.redo is not None:  # every rank finds it: one line (rank 0's)
+        from titan.runtime.run_state import RunOptionError
+        raise RunOptionError("this artifact bounds its MoE dispatch and redoes overflowing steps, which titan-run does not "
                          "capture in CUDA graphs yet; run it with --no-cuda-graphs, or build it without --moe-capacity")
     from titan.runtime.cudagraph import CapturedStep
     captured = CapturedStep(program)
