@@ -80,7 +80,10 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
     artifact carries the dropless programs as its redo programs."""
     kw = dict(cache=cache, jobs=jobs, progress=progress, on_wait=on_wait, on_give_up=on_give_up, on_miss=on_miss,
               on_stage=on_stage)
-    redo = _cached_entry(spec.dropless(), **kw) if spec.moe_redo else None
+    redo = None
+    if spec.moe_redo:
+        said = dict(on_miss=lambda why: on_miss(f"the dropless program it carries: {why}"))
+        redo = _cached_entry(spec.dropless(), **(kw | said))
     main = _cached_entry(spec, **kw)
     entry = main.entry if redo is None else dict(main.entry, redo_programs=redo.entry["programs"],
                                                 redo_rank_programs=redo.entry["rank_programs"])
