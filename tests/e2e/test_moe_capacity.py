@@ -4,10 +4,10 @@ processes, DeepSeek-V3 debug at ep 2):
 - `--moe-capacity F` alone stays dropless: at a capacity where some steps overflow and others
   do not (both asserted), every step's loss and every parameter on every rank equals the
   dropless eager model bit for bit; the overflowing steps were redone (the per-step metrics and
-  the run summary say which), and titan-build and titan-show report the capacity and the
+  the run summary say which; held-out losses equal eager's too), and titan-build and titan-show report the capacity and the
   memory it saves.
 - `--moe-capacity F --moe-drop` drops: titan-verify refuses to compare it with the dropless
-  model unless told (--moe-drop), and the dropped assignments in titan-run's metrics equal a
+  model unless told (--moe-drop: then it equals eager dropping alike), and the dropped assignments in titan-run's metrics equal a
   count made by hand from the router's choices (the same step on eager expert-parallel ranks).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,11 +49,16 @@ def test_bounded_dispatch_is_bitwise_dropless_and_redoes_overflowing_steps(tmp_p
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["moe_capacity"] == {"factor": REDO_FACTOR, "drop": False} and len(manifest["redo_programs"]) == 1
 
-    out = tmp_path / "verify.json"
-    r = titan("verify", art, "--steps", STEPS, "--json", out)
+    out, val = tmp_path / "verify.json", tmp_path / "val.u16"
+    # Held-out batches too: a validation forward that overflows is redone, uncounted.
+    val.write_bytes(torch.randint(0, CFG.vocab_size, (40 * (SEQ + 1),), generator=torch.Generator().manual_seed(9))
+                    .numpy().astype(np.uint16).tobytes())
+    r = titan("verify", art, "--steps", STEPS, "--json", out, "--val-data", val, "--val-every", 5, "--val-steps", 2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "parameters after step 10: all bitwise equal" in r.stdout and "bitwise equal: yes" in r.stdout
     result = json.loads(out.read_text())
+    assert [s for s, _ in result["artifact_val_loss"]] == [5, 10]
+    assert result["artifact_val_loss"] == result["eager_val_loss"]
     redone = result["artifact_moe_redone"]
     assert any(redone) and not all(redone), f"steps redone {redone}: both kinds of step must occur"
     overflowed = sum(1 for n in redone if n)
@@ -90,6 +96,11 @@ def test_drop_and_pad_is_labeled_and_its_dropped_counts_equal_a_hand_count(tmp_p
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
     assert r.stderr.startswith("error: this artifact drops the MoE assignments past capacity 1") \
         and "pass --moe-drop" in r.stderr
+
+    r = titan("verify", art, "--steps", 2, "--moe-drop")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the eager reference drops past MoE capacity 1 too (--moe-drop: not the dropless model)" in r.stdout
+    assert "bitwise equal: yes" in r.stdout
 
     metrics = tmp_path / "m.jsonl"
     r = titan("run", art, "--steps", 1, "--metrics", metrics)
