@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +43,9 @@ class BuildOutcome:
     note: str = ""
     """How the build deviated from one program fitted from shallow traces (empty when it did
     not, or on a hit)."""
+    redo: dict = field(default_factory=dict)
+    """A bounded MoE build's dropless redo programs (`redo_programs`, `redo_rank_programs`), as
+    the artifact was exported with them; empty otherwise."""
 
 
 def _store_program(cache: Cache, program) -> dict:
@@ -85,14 +88,15 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
         said = dict(on_miss=lambda why: on_miss(f"the dropless program it carries: {why}"))
         redo = _cached_entry(spec.dropless(), **(kw | said))
     main = _cached_entry(spec, **kw)
-    entry = main.entry if redo is None else dict(main.entry, redo_programs=redo.entry["programs"],
-                                                redo_rank_programs=redo.entry["rank_programs"])
-    manifest = export_artifact(cache, entry, out)
+    redo_fields = {} if redo is None else {"redo_programs": redo.entry["programs"],
+                                           "redo_rank_programs": redo.entry["rank_programs"]}
+    manifest = export_artifact(cache, dict(main.entry, **redo_fields), out)
     parts = [main] if redo is None else [redo, main]
     reason = "; ".join(p.reason for p in parts if p.reason)
     return BuildOutcome(manifest=manifest, key=main.key, hit=not reason, reason=reason,
                         traced=sorted({r for p in parts for r in p.traced}), traces=sum(p.traces for p in parts),
-                        note="; ".join(p.entry.get("note", "") for p in parts if p.reason and p.entry.get("note")))
+                        note="; ".join(p.entry.get("note", "") for p in parts if p.reason and p.entry.get("note")),
+                        redo=redo_fields)
 
 
 @dataclass(kw_only=True)

@@ -121,7 +121,7 @@ def main(shape_args, **values):
     manifest = outcome.manifest
     if kernels:
         from titan.builder.export.kernels import add_kernels
-        manifest, stats = add_kernels(cache, outcome.key, out)
+        manifest, stats = add_kernels(cache, outcome.key, out, redo=outcome.redo)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
     signer = sign_artifact(out, signer_key)  # your own key unless --sign names one
     if sign_key is not None:

@@ -191,7 +191,8 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac,
                      shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})),
-                     moe_capacity=moe_capacity, moe_drop=moe_drop)
+                     # One spelling of a factor (2 from a config file, 2.0 from the flag): one cache key.
+                     moe_capacity=None if moe_capacity is None else float(moe_capacity), moe_drop=moe_drop)
 
 
 def check_capacity(family: ModelSpec, cfg: ModelConfig, factor: float | None, drop: bool) -> None:
