@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +43,9 @@ class BuildOutcome:
     note: str = ""
     """How the build deviated from one program fitted from shallow traces (empty when it did
     not, or on a hit)."""
+    redo: dict = field(default_factory=dict)
+    """A bounded MoE build's dropless redo programs (`redo_programs`, `redo_rank_programs`), as
+    the artifact was exported with them; empty otherwise."""
 
 
 def _store_program(cache: Cache, program) -> dict:
@@ -73,7 +76,42 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
     """Build through the cache: a hit traces nothing; a miss traces the probe ranks the cache
     lacks (a killed build's finished ranks are reused) and makes one program of them (or, when
     ranks truly differ, traces every rank: one program per class). One build per key at a
-    time. `on_stage(rank, stage)` follows each traced rank through rank_progress.STAGES."""
+    time. `on_stage(rank, stage)` follows each traced rank through rank_progress.STAGES.
+
+    A bounded MoE build that redoes overflowing steps (`spec.moe_redo`) is two cache entries:
+    the dropless build (the default build's own key, shared with it) and the bounded one; the
+    artifact carries the dropless programs as its redo programs."""
+    kw = dict(cache=cache, jobs=jobs, progress=progress, on_wait=on_wait, on_give_up=on_give_up, on_miss=on_miss,
+              on_stage=on_stage)
+    redo = None
+    if spec.moe_redo:
+        said = dict(on_miss=lambda why: on_miss(f"the dropless program it carries: {why}"))
+        redo = _cached_entry(spec.dropless(), **(kw | said))
+    main = _cached_entry(spec, **kw)
+    redo_fields = {} if redo is None else {"redo_programs": redo.entry["programs"],
+                                           "redo_rank_programs": redo.entry["rank_programs"]}
+    manifest = export_artifact(cache, dict(main.entry, **redo_fields), out)
+    parts = [main] if redo is None else [redo, main]
+    reason = "; ".join(p.reason for p in parts if p.reason)
+    return BuildOutcome(manifest=manifest, key=main.key, hit=not reason, reason=reason,
+                        traced=sorted({r for p in parts for r in p.traced}), traces=sum(p.traces for p in parts),
+                        note="; ".join(p.entry.get("note", "") for p in parts if p.reason and p.entry.get("note")),
+                        redo=redo_fields)
+
+
+@dataclass(kw_only=True)
+class _Cached:
+    """One cache entry as build() found or made it."""
+    key: str
+    entry: dict
+    reason: str
+    traced: list[int]
+    traces: int
+
+
+def _cached_entry(spec: BuildSpec, *, cache: Cache, jobs: int, progress, on_wait, on_give_up, on_miss,
+                  on_stage: Callable[[int, str], None]) -> _Cached:
+    """The cache entry of `spec`: found, or traced and stored (under its key's lock)."""
     reached: dict[int, int] = {}
 
     def stage(rank: int, name: str) -> None:
@@ -106,11 +144,9 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
             traced = sorted({r for r, _ in tracer.traced})
             traces = len(tracer.traced)
         cache.touch(key)
-        manifest = export_artifact(cache, entry, out)
     finally:
         lock.release()
-    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason, traced=traced, traces=traces,
-                        note=entry.get("note", "") if reason else "")
+    return _Cached(key=key, entry=entry, reason=reason, traced=traced, traces=traces)
 
 
 def _trace_order(key: tuple[int, int | None]) -> tuple[int, int]:

@@ -61,7 +61,8 @@ def main(shape_args, **values):
                      ep=cfg.ep, batch_size=cfg.batch_size, seq_len=cfg.seq_len, partitioner=cfg.partitioner,
                      dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse, attention=cfg.attention, mask=cfg.mask,
                      eos_id=cfg.eos_id,
-                     passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape)
+                     passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape,
+                     moe_capacity=cfg.moe_capacity, moe_drop=cfg.moe_drop)
     out = out or Path("artifacts") / spec.name
     lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work
     if not replace:
@@ -121,7 +122,7 @@ def main(shape_args, **values):
     manifest = outcome.manifest
     if kernels:
         from titan.builder.export.kernels import add_kernels
-        manifest, stats = add_kernels(cache, outcome.key, out)
+        manifest, stats = add_kernels(cache, outcome.key, out, redo=outcome.redo)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
     signer = sign_artifact(out, signer_key)  # your own key unless --sign names one
     if sign_key is not None:
@@ -131,6 +132,14 @@ def main(shape_args, **values):
     programs = len(manifest.programs)
     if outcome.note:
         click.echo(f"note: {outcome.note}")
+    if spec.moe_redo:
+        from titan.runtime.contract.artifact import open_artifact
+        from titan.runtime.contract.memory_estimate import capacity_saving
+        art = open_artifact(out, check_torch=False)
+        click.echo("memory: " + capacity_saving(art.rank_record(0), art.rank_record(0, redo=True)))
+        if (art.rank_record(0).model_plan or {}).get("dropless"):
+            click.echo(f"note: capacity {spec.moe_capacity:g} reaches the dropless bound of this layout: no step can "
+                       "overflow, and the dropless build alone would do")
     shallow = f" in {outcome.traces} shallow traces" if outcome.traces > len(outcome.traced) else ""
     traced = f"traced {len(outcome.traced)} rank(s){shallow} into " if outcome.traced else ""
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {traced}{programs} program{'s' * (programs > 1)} "

@@ -89,7 +89,8 @@ def _announce(artifact: str, device: str, *, options: dict, **paths):
 def describe_build(manifest: Manifest) -> str:
     """'llama3 debug, 2 rank(s) [tp2], batch 2 x seq 128, float32'."""
     return (f"{manifest.model} {manifest.flavor}, {manifest.world_size} rank(s) [{manifest.layout.tag()}], "
-            f"batch {manifest.batch_size} x seq {manifest.seq_len}, {manifest.dtype}")
+            f"batch {manifest.batch_size} x seq {manifest.seq_len}, {manifest.dtype}"
+            + (f", {manifest.moe_capacity.describe()}" if manifest.moe_capacity is not None else ""))
 
 
 def check_memory(art, device: str) -> str | None:

@@ -28,8 +28,11 @@ VERIFY_FIELDS = ("steps", "lr", "warmup_steps", "decay_type", "decay_ratio", "mi
 @config_options(RunConfig, section="run", only=VERIFY_FIELDS, defaults={"steps": 10})
 @click.option("--json", "json_path", default=None, type=NonEmptyPath(dir_okay=False),
               help="Also write both loss columns (exact, as float.hex) to this file.")
+@click.option("--moe-drop", "moe_drop", is_flag=True,
+              help="Accept an artifact built with --moe-drop (it drops MoE assignments past its capacity: numerics "
+                   "change) and compare it with eager PyTorch dropping at the same capacity.")
 @kernel_trust_options
-def main(artifact, json_path, trust_keys, trust_unsigned_kernels, **values):
+def main(artifact, json_path, moe_drop, trust_keys, trust_unsigned_kernels, **values):
     """Train ARTIFACT and the same model eagerly (same layout, seed, data, recipe); exit 1 on any difference."""
     import titan.runtime.common.compiler_caches as compiler_caches
     compiler_caches.ensure()  # regions may compile: the compilers' caches must be private first
@@ -46,11 +49,16 @@ def main(artifact, json_path, trust_keys, trust_unsigned_kernels, **values):
         from titan.runtime.startup import Phases, job_started
         t0 = job_started()
         art = open_artifact(artifact)
+        from titan.cli.tools.verify_reference import check_drop_label
+        check_drop_label(art.manifest, moe_drop)
         check_run_paths(data=cfg.data, metrics=json_path)
         warning = check_memory(art, device)
         key = f"{art.manifest.cache_key}-{steps}-{device}"
+        reference = (f"; the eager reference drops past MoE capacity {art.manifest.moe_capacity.factor:g} too "
+                     "(--moe-drop: not the dropless model)") if moe_drop else ""
         click.echo(f"titan-verify {art.root}: {describe_build(art.manifest)}; training {steps} step(s) eagerly and "
-                   f"from the artifact, then comparing every loss and parameter{timings.expectation('verify', key)}")
+                   f"from the artifact, then comparing every loss and parameter{reference}"
+                   f"{timings.expectation('verify', key)}")
         if warning:
             click.echo(f"warning: {warning}")
         checking = Phases(click.echo)("checking the artifact's files and the eager model (importing torch first)")
@@ -103,7 +111,10 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
                            "artifact_grad_norm": [x.item().hex() for x in graph.grad_norms],
                            "eager_val_loss": [[s, x.item().hex()] for s, x in eager.val_losses],
                            "artifact_val_loss": [[s, x.item().hex()] for s, x in graph.val_losses],
-                           "parameters_differing": differ, "bitwise_equal": equal}, f)
+                           "parameters_differing": differ, "bitwise_equal": equal,
+                           # A bounded MoE dispatch: each step's micro-batches redone dropless.
+                           **({"artifact_moe_redone": [r["moe_redone"] for r in verdict.artifact_steps]}
+                              if verdict.artifact_steps and "moe_redone" in verdict.artifact_steps[0] else {})}, f)
         print(f"{'step':>4}  {'eager loss':>22}  {'artifact loss':>22}  {'eager grad norm':>22}  "
               f"{'artifact grad norm':>22}  same")
         for i, (a, b, na, nb) in enumerate(zip(eager.losses, graph.losses, eager.grad_norms, graph.grad_norms), 1):
@@ -148,7 +159,9 @@ def _summary(v) -> str:
         parts.append(f"loss {first['loss']:.4f} at step {first['step']}, {last['loss']:.4f} at step {last['step']}")
     if memory:
         parts.append(memory)
-    return "; ".join(p for p in parts if p) + "."
+    from titan.runtime.moe_redo import redo_summary
+    redo = redo_summary(v.artifact_steps)
+    return "; ".join(p for p in parts if p) + "." + (f"\n{redo}." if redo else "")
 
 
 def _numerics_changing_passes(artifact: str) -> list[str]:

@@ -1,6 +1,8 @@
 """Reading a titan-run --metrics file (written by step_log.py): a header line with the run's
 config, then one JSON object per step, with step, loss, lr, grad_norm, tokens_per_s,
-step_time_s, time and, on GPU, peak_mem_gib."""
+step_time_s, time and, on GPU, peak_mem_gib; a mixture of experts adds its expert load and
+dropped_tokens, and a bounded dispatch that stays dropless moe_redone and moe_overflow (the
+field list: runtime/step_log.py)."""
 
 from __future__ import annotations
 

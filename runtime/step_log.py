@@ -5,7 +5,10 @@ A --metrics file starts with a header line, {"config": the run's effective RunCo
 once by the run that creates the file. Per-step record (a --metrics line): step, loss (global
 mean), lr (the step's learning rate), grad_norm (the global gradient norm before clipping),
 tokens_per_s, step_time_s, time (unix seconds), on GPU peak_mem_gib and, for a mixture of experts, expert_load_max,
-expert_load_mean (tokens per expert) and dropped_tokens (runtime/buffer_state.py). TensorBoard gets the same values as float64 scalars
+expert_load_mean (tokens per expert) and dropped_tokens (runtime/buffer_state.py); with a bounded
+dispatch that stays dropless (titan-build --moe-capacity), moe_redone (the step's micro-batches
+redone by the dropless program) and moe_overflow (the assignments their bounded attempts could
+not hold: runtime/moe_redo.py). TensorBoard gets the same values as float64 scalars
 under the same names, at global step `step`, so they read back exactly.
 
 torch.utils.tensorboard is imported only when --tensorboard is given; it imports neither
@@ -27,7 +30,7 @@ from titan.runtime.common.safe_files import UnsafeFile, read_user_file, replace_
 
 TENSORBOARD_HINT = "pip install -e '.[watch]' from a clone (or: pip install tensorboard)"
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_gib", "expert_load_max", "expert_load_mean",
-           "dropped_tokens")
+           "dropped_tokens", "moe_redone", "moe_overflow")
 
 
 def open_tensorboard(log_dir: str):

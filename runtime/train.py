@@ -117,6 +117,18 @@ class GraphProgram:
         self.inputs = record.forward_inputs
         self.coords = record.coords
         self._loss_only: fx.GraphModule | None = None  # made on first use: most runs never validate
+        self.redo = None
+        if artifact.manifest.redo_programs:  # a bounded MoE dispatch: runtime/moe_redo.py
+            from titan.runtime.moe_redo import OverflowRedo
+            forward, backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh), redo=True)
+            dropless = artifact.rank_record(rank, redo=True)
+            # The redo runs alone (the bounded attempt's tensors are freed first): it must fit too.
+            check_device(estimate_from_graphs(dropless, forward, backward), device,
+                         name=f"{artifact.root} rank {rank} (its dropless redo program)")
+            # Its regions are compiled as the bounded program's are: both must run the same kernels.
+            compile_program_regions(forward, backward, device,
+                                    artifact_kernel=artifact.kernel if artifact_kernels else None)
+            self.redo = OverflowRedo(record, dropless, forward, backward, where=f"{artifact.root} rank {rank}")
 
     def _forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         params = iter(self.params)
@@ -125,30 +137,51 @@ class GraphProgram:
 
     @torch.no_grad()
     def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """This rank's loss of a held-out batch: the forward graph cut down to its loss
-        (runtime/loss_only.py), so neither the activations the backward would read nor the
-        buffer updates (a MoE's load and bias) are computed; training goes on as if it had not run."""
-        if self._loss_only is None:
-            self._loss_only = loss_only(self.forward, len(self.buffers.mutated))
-        (loss,) = self._loss_only(*self._forward_args(tokens, labels))
-        return loss
+        """This rank's loss of a held-out batch; training goes on as if it had not run. The forward
+        graph cut down to its loss (runtime/loss_only.py), so neither the activations the backward
+        would read nor the buffer updates (a MoE's load and bias) are computed; but a bounded MoE
+        dispatch needs its dropped counts, so such a program runs its whole forward (the buffer
+        updates dropped) and, on an overflow, the dropless one (runtime/moe_redo.py)."""
+        args = self._forward_args(tokens, labels)
+        if self.redo is None:
+            if self._loss_only is None:
+                self._loss_only = loss_only(self.forward, len(self.buffers.mutated))
+            (loss,) = self._loss_only(*args)
+            return loss
+        outputs = self.forward(*args)
+        n_updates = len(self.buffers.mutated)
+        if self.redo.overflowed(outputs[:n_updates], count=False):
+            outputs = self.redo.forward(*args)  # the dropless loss, as for a training step
+        return outputs[n_updates]
 
     @torch.no_grad()
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's loss and the gradient of each parameter (in self.params order), both of
         the micro-batch's share of the step: divided by the number of micro-batches, as autograd
         divides the seed of `(loss / n).backward()`."""
-        outputs = self.forward(*self._forward_args(tokens, labels))
+        args = self._forward_args(tokens, labels)
+        outputs, backward = self.forward(*args), self.backward
         n_updates = len(self.buffers.mutated)
+        if self.redo is not None and self.redo.overflowed(outputs[:n_updates]):
+            # The bounded dispatch overflowed: nothing was applied yet; redo it dropless.
+            del outputs
+            outputs, backward = self.redo.forward(*args), self.redo.backward
+        del args
         updates, loss, saved = outputs[:n_updates], outputs[n_updates], outputs[n_updates + 1:]
         del outputs
         seed = torch.ones_like(loss)
         if self.micro_batches > 1:
             seed, loss = seed / self.micro_batches, loss / self.micro_batches
-        grads = self.backward(*saved, seed)
+        grads = backward(*saved, seed)
         del saved
         self.buffers.copy_back(updates)  # after the backward: it may recompute from the old values
         return loss, [g for inp, g in zip(self.inputs, grads) if inp.kind == "param"]
+
+    def step_metrics(self) -> dict:
+        """What the step's record gets from the program: the expert load (read from the
+        buffers) and, for a bounded MoE dispatch, the micro-batches redone dropless."""
+        out = self.buffers.metrics() if len(self.buffers) else {}
+        return out if self.redo is None else out | self.redo.metrics()
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one micro-batch; sets (first micro-batch) or adds to .grad of
@@ -286,7 +319,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
                              micro_batches=recipe.micro_batches, update=update,
                              validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                         mesh=mesh),
-                             step_metrics=program.buffers.metrics if len(program.buffers) else None)
+                             step_metrics=program.step_metrics if len(program.buffers) else None)
     if env.rank == 0 and not cfg.quiet:
         startup.launcher_phase(phases)
         print(run_summary(records, started=started, startup_s=startup_s, device=device, artifact=artifact,
@@ -307,13 +340,16 @@ def run_summary(records: list[dict], *, started: float, startup_s: float | None,
         import statistics
         mfu = mfu_text(artifact.manifest, params, tokens_per_s=statistics.median(speeds),
                        device_name=torch.cuda.get_device_name(device))
-    return startup.summary(
+    from titan.runtime.moe_redo import redo_summary
+    redo = redo_summary(records)
+    text = startup.summary(
         steps_run=len(records), total_steps=records[-1]["step"] if records else 0, wall_s=time.time() - started,
         startup_s=startup_s, phases=rank_phases(), tokens_per_s=speeds,
         first_loss=(records[0]["step"], records[0]["loss"]) if records else None,
         last_loss=(records[-1]["step"], records[-1]["loss"]) if records else None,
         memory=startup.peak_memory_text(device.type, torch.cuda.max_memory_allocated(device) if gpu else None),
         mfu=mfu)
+    return text if not redo else f"{text}\n{redo}."
 
 
 @contextlib.contextmanager
@@ -326,6 +362,10 @@ def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, 
     if device.type != "cuda" or not cfg.cuda_graphs:
         yield program.step, update, program.forward_loss
         return
+    if program.redo is not None:  # every rank finds it: one line (rank 0's)
+        from titan.runtime.run_state import RunOptionError
+        raise RunOptionError("this artifact bounds its MoE dispatch and redoes overflowing steps, which titan-run does not "
+                         "capture in CUDA graphs yet; run it with --no-cuda-graphs, or build it without --moe-capacity")
     from titan.runtime.cudagraph import CapturedLoss, CapturedStep
     from titan.runtime.fused_adamw import FusedAdamW
     step, forward_loss = CapturedStep(program), CapturedLoss(program.forward_loss)

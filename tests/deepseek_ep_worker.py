@@ -1,6 +1,6 @@
 """One rank of a DeepSeek-V3 step with expert parallelism over gloo (tests start it).
 
-    python deepseek_ep_worker.py DIR [--ep N] [--capacity-factor F] [--graph [--ac POLICY]]
+    python deepseek_ep_worker.py DIR [--ep N] [--capacity-factor F] [--routing] [--graph [--ac POLICY]]
 
 Reads DIR/weights.safetensors (global weights and balancing biases, titan names) and
 DIR/batch.safetensors (the global tokens and labels). Every rank is data parallel and takes
@@ -10,7 +10,8 @@ over world / N groups. Runs the step eagerly and, with --graph, also as the buil
 exported forward + backward, partitioned, written in the titan graph format, read back and run.
 Writes DIR/rank{r}.safetensors: per mode ("eager.", "graph.") the global loss, every gradient
 (data-parallel ones summed over all ranks, expert ones this rank's slice summed over its
-replicas) and the MoE layers' buffers after the step.
+replicas) and the MoE layers' buffers after the step; with --routing also each MoE layer's
+router choices in the eager step ("eager.routing.<layer>": (tokens, top_k) expert ids).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from titan.runtime.contract.graph_encode import encode_graph
 from titan.builder.models.deepseek_v3.config import FLAVORS
 from titan.builder.models.moe.expert_parallel import is_expert_param, set_dispatch, shard_experts
 from titan.builder.models.deepseek_v3.model import DeepSeekV3
+from titan.builder.models.deepseek_v3.moe import route
 from titan.builder.passes.checkpointing import tag_activation_checkpointing
 from titan.builder.models.deepseek_v3 import SPEC
 from titan.builder.trace.rank_trace import copy_graph_module, module_provenance
@@ -58,6 +60,17 @@ class Step:
             for fqn, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
                 full = weights.get(fqn, torch.zeros_like(t))
                 t.copy_(full.narrow(0, rank % ep * t.shape[0], t.shape[0]) if is_expert_param(fqn) else full)
+
+
+def record_routing(step: Step, out: dict) -> None:
+    """Each MoE layer's expert ids, routed again in a hook before its forward (from the same
+    input and balancing bias), into out["eager.routing.<layer>"]."""
+    layers = set(step.model.moe_layers())
+    for name, moe in step.model.named_modules():
+        if moe in layers:
+            moe.register_forward_pre_hook(lambda module, args, name=name: out.__setitem__(
+                f"eager.routing.{name}", route(args[0].flatten(0, -2), module.gate.weight, module.expert_bias,
+                                               module.cfg)[0].clone()))
 
 
 def eager_step(step: Step) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -107,6 +120,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: the world size)")
     parser.add_argument("--capacity-factor", type=float, default=None)
     parser.add_argument("--graph", action="store_true", help="also run the step as exported graphs")
+    parser.add_argument("--routing", action="store_true", help="also save each MoE layer's router choices (eager)")
     parser.add_argument("--ac", default="none", help="the graphs' activation-checkpointing policy")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -124,6 +138,8 @@ def main() -> None:
         modes["graph"] = lambda s: graph_step(s, Step(args, ep_group, device="meta"), groups, args.ac)
     for mode, run in modes.items():
         step = Step(args, ep_group)
+        if args.routing and mode == "eager":
+            record_routing(step, out)
         loss, grads = run(step)
         out[f"{mode}.loss"] = loss.clone()
         dist.all_reduce(out[f"{mode}.loss"])

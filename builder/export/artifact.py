@@ -40,15 +40,20 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> Manifest:
                 files[rel] = sha
             return rel
 
-        programs = [{"meta": put(f"programs/{p['meta']}.json", p["meta"]),
+        def program_files(stored: list[dict]) -> list[dict]:
+            return [{"meta": put(f"programs/{p['meta']}.json", p["meta"]),
                      "forward": put(f"graphs/{p['forward']}.tgraph", p["forward"]),
-                     "backward": put(f"graphs/{p['backward']}.tgraph", p["backward"])}
-                    for p in entry["programs"]]
+                     "backward": put(f"graphs/{p['backward']}.tgraph", p["backward"])} for p in stored]
+
+        programs = program_files(entry["programs"])
+        # A bounded MoE build's dropless programs, which redo an overflowing step (builder/build.py).
+        redo = {} if "redo_programs" not in entry else {
+            "redo_programs": program_files(entry["redo_programs"]), "redo_rank_programs": entry["redo_rank_programs"]}
         kernels = export_kernels(cache, entry.get("kernels", {}), tmp, files)
         # The build's fields (recorded in its cache entry) and this copy's files, checked as
         # the runtime will check them.
         manifest = Manifest.from_json(dict(entry["manifest"], name=out.name, cache_key=entry["key"], programs=programs,
-                                           rank_programs=entry["rank_programs"], files=files, kernels=kernels), out)
+                                           rank_programs=entry["rank_programs"], files=files, kernels=kernels, **redo), out)
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1))
         with interrupt.deferred():  # the old artifact or the new one at `out`, never neither
             if out.exists():

@@ -49,9 +49,11 @@ def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict
     return sources.recorded, stats
 
 
-def add_kernels(cache: Cache, key: str, out: Path) -> tuple[Manifest, object]:
+def add_kernels(cache: Cache, key: str, out: Path, *, redo: dict | None = None) -> tuple[Manifest, object]:
     """Compile the entry's kernels, record them in the entry and re-export the artifact (built
-    from the entry at `out`); returns (manifest, FusionStats)."""
+    from the entry at `out`); returns (manifest, FusionStats). `redo`: the dropless redo
+    programs a bounded MoE artifact carries (BuildOutcome.redo), exported again with it (their
+    own regions are compiled by titan-run)."""
     from titan.builder.export.artifact import export_artifact
     from titan.runtime.contract.artifact import open_artifact
 
@@ -63,6 +65,6 @@ def add_kernels(cache: Cache, key: str, out: Path) -> tuple[Manifest, object]:
         kernels, stats = compile_kernels(cache, entry, open_artifact(out, check_torch=False).manifest)
         entry = dict(entry, kernels=dict(entry.get("kernels", {}), **kernels))
         cache.put_entry(key, entry)
-        return export_artifact(cache, entry, out), stats
+        return export_artifact(cache, dict(entry, **(redo or {})), out), stats
     finally:
         lock.release()

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 from titan.builder.spec.cache_key import build_factors
 from titan.runtime.common.environment import installed_torch_version
 from titan.runtime.contract.hf_record import RECORD
-from titan.runtime.contract.manifest import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST
+from titan.runtime.contract.manifest import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, MOE_CAPACITY_VERSION
 
 if TYPE_CHECKING:
     from titan.builder.spec.build_spec import BuildSpec
 
 # Manifest fields that shape the graphs: an artifact directory is replaced only by a build
 # that agrees on all of them (or with --replace).
-SHAPING_FIELDS = ("model", "flavor", "layout", "batch_size", "seq_len", "dtype", "ac", "passes")
+SHAPING_FIELDS = ("model", "flavor", "layout", "batch_size", "seq_len", "dtype", "ac", "passes", "moe_capacity")
 
 
 def _hf_record(spec: BuildSpec) -> dict | None:
@@ -29,6 +29,9 @@ def _hf_record(spec: BuildSpec) -> dict | None:
 
 
 def manifest_fields(spec: BuildSpec, factors: dict) -> dict:
+    # A bounded MoE artifact is a format a runtime without the redo must refuse, not run capped.
+    capacity = {} if spec.moe_capacity is None else {
+        "format_version": MOE_CAPACITY_VERSION, "moe_capacity": {"factor": spec.moe_capacity, "drop": spec.moe_drop}}
     return {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
@@ -49,6 +52,7 @@ def manifest_fields(spec: BuildSpec, factors: dict) -> dict:
         # What the runtime needs of the model to read and write its Hugging Face checkpoints.
         RECORD: _hf_record(spec),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **capacity,
     }
 
 
@@ -63,8 +67,8 @@ def check_replaceable(spec: BuildSpec, out: Path) -> None:
         old = {}
     old = old if isinstance(old, dict) else {}
     new = manifest_fields(spec, build_factors(spec))
-    diffs = [f"{k.replace('_', ' ')} {old.get(k)!r} there, {new[k]!r} now" for k in SHAPING_FIELDS
-             if old.get(k) != new[k]]
+    diffs = [f"{k.replace('_', ' ')} {old.get(k)!r} there, {new.get(k)!r} now" for k in SHAPING_FIELDS
+             if old.get(k) != new.get(k)]
     if diffs:
         raise ValueError(f"{out} holds another build ({'; '.join(diffs)}); pass --replace to replace it, "
                          "or --out DIR to write this one elsewhere")

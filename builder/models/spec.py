@@ -84,6 +84,9 @@ class RankPlace:
     seq_len: int
     """Tokens per sequence (under tp, each rank's modules between the sequence-parallel
     regions see seq_len / tp of them)."""
+    capacity_factor: float | None = None
+    """A mixture of experts' dispatch capacity factor (builder/models/moe/dispatch.py); None:
+    dropless."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -122,6 +125,8 @@ class ModelSpec:
     """Parameter name -> whether it is a routed expert's, split on dim 0 over the `ep` mesh
     dimension (builder/trace/parallelize.py); None: the family has no experts and builds with --ep 1.
     A family with dense and MoE flavors (Qwen3) refuses --ep for its dense ones in check_layout."""
+    has_experts: Callable[[ModelConfig], bool] = lambda cfg: False
+    """Whether a config has routed experts (what --moe-capacity applies to)."""
     place_rank: Callable[[nn.Module, RankPlace], dict | None] = lambda model, place: None
     """After parallelize, before the trace (and in the eager reference): give the model what
     depends on the rank's place (a mixture of experts' dispatch plan and process groups).

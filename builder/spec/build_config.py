@@ -39,6 +39,10 @@ class BuildConfig:
     """Activation checkpointing: recompute block activations in the backward (full), or all but matmul/attention outputs (selective)."""
     fuse: Literal["regions", "blocks"] | None = setting(None, flag_value="blocks")
     """Fused kernels that titan-run generates on its GPU (faster; numerics differ from eager in the last bits): 'blocks' (a bare --fuse): all element-wise and reduction work between matmuls, attention and collectives; 'regions': only within RMSNorm, RoPE, SwiGLU and the loss."""
+    moe_capacity: float | None = setting(None, check="positive_float")
+    """Mixture of experts: size the token-dispatch buffers for this capacity factor (1.25: a quarter over the balanced load) instead of the dropless worst case. Still dropless: a step whose routing overflows a buffer is detected on the device and redone by the dropless program the artifact also carries (one scalar read per micro-batch)."""
+    moe_drop: bool = False
+    """With --moe-capacity: drop the assignments past a buffer's capacity instead of redoing the step (changes numerics; titan-verify needs --moe-drop to accept it)."""
     list_passes: bool = False
     """Describe the available passes and exit."""
     partitioner: Literal["min_cut", "default"] = "min_cut"

@@ -5,6 +5,7 @@ Every user input is checked here, before anything is traced; ValueError names th
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -54,6 +55,21 @@ class BuildSpec:
     attention: tuple[tuple[str, Any], ...] = ()
     """The attention choice's config fields that differ from SDPA causal (field, value),
     checked by builder/models/attention.py; part of the model config and of the artifact's name."""
+    moe_capacity: float | None = None
+    """Capacity factor of the MoE dispatch buffers (builder/models/moe/dispatch.py); None:
+    dropless buffers (the default)."""
+    moe_drop: bool = False
+    """With moe_capacity: assignments past a buffer's capacity are dropped (numerics change).
+    Without: the artifact also carries the dropless program, which redoes an overflowing step."""
+
+    @property
+    def moe_redo(self) -> bool:
+        """Whether the artifact carries the dropless program to redo overflowing steps."""
+        return self.moe_capacity is not None and not self.moe_drop
+
+    def dropless(self) -> BuildSpec:
+        """The same build with dropless dispatch buffers: the default build, its cache key included."""
+        return replace(self, moe_capacity=None, moe_drop=False)
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -78,7 +94,15 @@ class BuildSpec:
                          *attention_tags(self.cfg.as_dict()), *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
                                               batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
                                               ac=self.ac, passes=self.passes,
-                                              exact_fusion=self.model_spec.exact_fusion)])
+                                              exact_fusion=self.model_spec.exact_fusion),
+                         *capacity_tags(self.moe_capacity, self.moe_drop)])
+
+
+def capacity_tags(factor: float | None, drop: bool) -> list[str]:
+    """`cap1.25` (bounded, redone dropless on overflow) or `cap1.25-drop`; nothing when dropless."""
+    if factor is None:
+        return []
+    return [f"cap{factor:g}" + ("-drop" if drop else "")]
 
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -132,7 +156,8 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
               batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
               fuse: str | None = None, shape: Mapping[str, Any] | None = None, attention: str = "sdpa",
-              mask: str = "causal", eos_id: int | None = None) -> BuildSpec:
+              mask: str = "causal", eos_id: int | None = None, moe_capacity: float | None = None,
+              moe_drop: bool = False) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it.
     `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py)."""
     family = model_spec(model)
@@ -168,7 +193,24 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         # --fuse's regions take in the exact ones.
         passes = tuple(p for p in passes if p != "fuse_exact") + (f"fuse_{fuse}",)
     check_passes(passes, sizes)
+    check_capacity(family, shaped, moe_capacity, moe_drop)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac,
                      shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})),
-                     attention=tuple(sorted(chosen.items())))
+                     attention=tuple(sorted(chosen.items())),
+                     # One spelling of a factor (2 from a config file, 2.0 from the flag): one cache key.
+                     moe_capacity=None if moe_capacity is None else float(moe_capacity), moe_drop=moe_drop)
+
+
+def check_capacity(family: ModelSpec, cfg: ModelConfig, factor: float | None, drop: bool) -> None:
+    """--moe-capacity needs routed experts and a positive finite factor; --moe-drop needs a capacity."""
+    if drop and factor is None:
+        raise ValueError("--moe-drop drops the assignments past a capacity: give the capacity too, e.g. "
+                         "--moe-capacity 1.25 --moe-drop")
+    if factor is None:
+        return
+    if not family.has_experts(cfg):
+        raise ValueError(f"--moe-capacity: this {family.name} flavor has no routed experts to dispatch; drop "
+                         "--moe-capacity or build a mixture-of-experts flavor")
+    if not 0 < factor < math.inf:
+        raise ValueError(f"--moe-capacity {factor}: the capacity factor must be a positive number, e.g. 1.25")

@@ -25,8 +25,11 @@ def builder_version() -> str:
 
 
 def build_factors(spec) -> dict:
-    """Factor name -> value for a BuildSpec. Names are what --explain prints."""
-    return {
+    """Factor name -> value for a BuildSpec. Names are what --explain prints. A MoE capacity is
+    a factor only when set: a dropless build keeps the key it always had."""
+    capacity = {} if spec.moe_capacity is None else {
+        "moe capacity": {"factor": spec.moe_capacity, "overflow": "drop" if spec.moe_drop else "redo dropless"}}
+    return capacity | {
         "model": spec.model,
         "flavor": spec.flavor,
         "model config": spec.cfg.as_dict(),

@@ -119,7 +119,7 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     shards = parallelize(model, layout, mesh, coords, tp_plan=family.tp_plan, expert_param=family.expert_param,
                          compute_dtype=getattr(torch, build.dtype))
     model_plan = family.place_rank(model, RankPlace(layout=layout, mesh=mesh, batch_size=build.batch_size,
-                                                    seq_len=build.seq_len))
+                                                    seq_len=build.seq_len, capacity_factor=build.moe_capacity))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         model.to_empty(device="cpu")

@@ -41,13 +41,16 @@ def materialize_shards(model: nn.Module, shards: list[ParamShard], specs: dict[s
 class EagerProgram:
     def __init__(self, spec: ModelSpec, cfg: ModelConfig, layout: Layout, rank: int, *, batch_size: int,
                  seq_len: int, device: torch.device, mesh, seed: int, compute_dtype: torch.dtype = torch.float32,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, capacity_factor: float | None = None):
+        """`capacity_factor`: a MoE dispatch that drops past this capacity (the reference of a
+        drop-and-pad artifact); None: dropless, the reference of every other artifact."""
         with torch.device("meta"):
             model = spec.build(cfg)
         model.loss_scale = float(batch_size * seq_len * layout.dp_degree)
         shards = parallelize(model, layout, mesh, layout.coordinates(rank), tp_plan=spec.tp_plan,
                              expert_param=spec.expert_param, compute_dtype=compute_dtype)
-        spec.place_rank(model, RankPlace(layout=layout, mesh=mesh, batch_size=batch_size, seq_len=seq_len))
+        spec.place_rank(model, RankPlace(layout=layout, mesh=mesh, batch_size=batch_size, seq_len=seq_len,
+                                         capacity_factor=capacity_factor))
         materialize_shards(model, shards, spec.init_specs(cfg), seed=seed, device=device)
         self.model = model
         self.params = list(model.parameters())

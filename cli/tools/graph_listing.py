@@ -119,12 +119,28 @@ def list_rank_plan(art: Artifact, rank: int) -> list[str]:
                      f"on this rank (ep coordinate {coord} of {ep}; {len(experts)} expert parameters)")
     if meta.model_plan:
         lines.append("model plan: " + ", ".join(f"{k} {v}" for k, v in meta.model_plan.items()))
+    lines += list_moe_capacity(art, rank)
     if meta.buffers:
         fed = [b for b in meta.buffers if b.metric]
         lines.append(f"buffers: {len(meta.buffers)} (state, zeros at start, checkpointed), "
                      f"{len(meta.mutated_buffers)} updated by each step, {len(fed)} feeding the per-step "
                      "expert-load metrics")
     return lines
+
+
+def list_moe_capacity(art: Artifact, rank: int) -> list[str]:
+    """A bounded MoE dispatch (titan-build --moe-capacity): the capacity, what an overflow does,
+    and the memory it saves against the dropless program."""
+    capacity = art.manifest.moe_capacity
+    if capacity is None:
+        return []
+    if capacity.drop:
+        return [f"moe capacity: factor {capacity.factor:g}, drop-and-pad: assignments past a block's capacity are "
+                "dropped (numerics change; dropped_tokens in the metrics)"]
+    from titan.runtime.contract.memory_estimate import capacity_saving
+    return [f"moe capacity: factor {capacity.factor:g}, dropless: an overflowing micro-batch is redone by the dropless "
+            "program the artifact carries",
+            "memory: " + capacity_saving(art.rank_record(rank), art.rank_record(rank, redo=True))]
 
 
 def list_bucket_plan(meta: RankRecord, kind: str) -> list[str]:

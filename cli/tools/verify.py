@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from titan.cli.tools.eager import EagerProgram
+from titan.cli.tools.verify_reference import drop_capacity
 from titan.builder.models import model_spec
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.runtime.contract.artifact import open_artifact
@@ -62,12 +63,13 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
     with phases(f"rank {env.rank}: building the model eagerly and training it {cfg.steps} step(s)", short="eager"):
         eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
                              device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
-                             micro_batches=recipe.micro_batches)
+                             micro_batches=recipe.micro_batches, capacity_factor=drop_capacity(m))
         # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors),
         # LR scheduler and clip_grad_norm_.
         eager_opt = torch.optim.AdamW(eager.params, lr=recipe.schedule.lr, foreach=False, **recipe.adamw)
         scheduler = torch.optim.lr_scheduler.LambdaLR(eager_opt, recipe.schedule.factor)
         coords = layout.coordinates(env.rank)
+
         def eager_update() -> torch.Tensor:
             norm = eager.clip_grad_norm(recipe.max_norm)
             eager_opt.step()
@@ -95,7 +97,8 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
             step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update, forward_loss):
         graph_run = train_loop(step, optimizer, make_data(m, cfg, program.coords), update=update,
                                validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
-                                                          mesh=mesh), log=artifact_steps.append, **kw)
+                                                          mesh=mesh), log=artifact_steps.append,
+                               step_metrics=program.step_metrics if program.redo is not None else None, **kw)
     fqns = art.rank_record(env.rank).param_fqns
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
     return Verdict(eager=eager_run, artifact=graph_run, device=device, params_differ=differ, params=len(fqns),

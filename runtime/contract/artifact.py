@@ -95,30 +95,32 @@ class Artifact:
         coords = self.layout.coordinates(rank)
         return {name: coords[name] for name, _ in self.layout.mesh_shape()}
 
-    def rank_entry(self, rank: int) -> ProgramFiles:
-        """The files of the program this rank runs."""
+    def rank_entry(self, rank: int, *, redo: bool = False) -> ProgramFiles:
+        """The files of the program this rank runs (`redo`: of its dropless redo program, which
+        a bounded MoE artifact carries: manifest.redo_programs)."""
         self.rank_coordinates(rank)  # in range
-        return self.manifest.program_of(rank)
+        return self.manifest.redo_program_of(rank) if redo else self.manifest.program_of(rank)
 
-    def graph_hash(self, rank: int, kind: str) -> str:
+    def graph_hash(self, rank: int, kind: str, *, redo: bool = False) -> str:
         """The sha256 of the `kind` ("forward" or "backward") graph this rank runs."""
-        return self.manifest.files[getattr(self.rank_entry(rank), kind)]
+        return self.manifest.files[getattr(self.rank_entry(rank, redo=redo), kind)]
 
-    def program_json(self, rank: int):
+    def program_json(self, rank: int, *, redo: bool = False):
         """The metadata of the program this rank runs, as stored (slices named by mesh dimension)."""
-        rel = self.rank_entry(rank).meta
+        rel = self.rank_entry(rank, redo=redo).meta
         try:
             return loads_json(self.read_verified(rel, max_size=MAX_PROGRAM_BYTES), f"{self.root}: program metadata {rel}")
         except UnsafeFile as e:
             raise ArtifactError(f"{e}; rebuild with titan-build") from None
 
-    def rank_record(self, rank: int) -> RankRecord:
+    def rank_record(self, rank: int, *, redo: bool = False) -> RankRecord:
         """The program's metadata bound to this rank and checked (once per rank)."""
-        if rank not in self._records:
-            self._records[rank] = bind_program(
-                self.program_json(rank), rank=rank, layout=self.layout, where=f"{self.root} rank {rank}",
-                what=f"{self.root}: program metadata {self.rank_entry(rank).meta}")
-        return self._records[rank]
+        if (rank, redo) not in self._records:
+            self._records[rank, redo] = bind_program(
+                self.program_json(rank, redo=redo), rank=rank, layout=self.layout,
+                where=f"{self.root} rank {rank}{' redo program' if redo else ''}",
+                what=f"{self.root}: program metadata {self.rank_entry(rank, redo=redo).meta}")
+        return self._records[rank, redo]
 
 
 def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:

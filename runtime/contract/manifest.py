@@ -15,6 +15,10 @@ from titan.runtime.contract.layout import MESH_DIMS, Layout
 
 ARTIFACT_FORMAT = "titan-artifact"
 ARTIFACT_VERSION = 2  # 2: programs shared by ranks, rank values bound at load
+MOE_CAPACITY_VERSION = 3
+"""3: version 2 plus a bounded MoE dispatch (`moe_capacity`, and the dropless `redo_programs`
+unless it drops): a runtime that cannot redo an overflowing step must refuse it, not run it
+capped. Every other artifact stays version 2."""
 MANIFEST = "manifest.json"
 REQUIRED = ("world_size", "mesh", "programs", "rank_programs", "files", "torch_version", "batch_size", "seq_len",
             "model_config")
@@ -40,6 +44,23 @@ class ProgramFiles:
 
     def to_json(self) -> dict:
         return {"meta": self.meta, "forward": self.forward, "backward": self.backward}
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoECapacity:
+    """A bounded mixture-of-experts dispatch (titan-build --moe-capacity)."""
+    factor: float
+    """The capacity factor the dispatch buffers are sized by."""
+    drop: bool
+    """True: assignments past a buffer are dropped (numerics change); False: an overflowing
+    step is redone by the redo programs (dropless)."""
+
+    def to_json(self) -> dict:
+        return {"factor": self.factor, "drop": self.drop}
+
+    def describe(self) -> str:
+        return f"MoE capacity {self.factor:g}, " + ("drop-and-pad (changes numerics)" if self.drop
+                                                     else "overflow redone dropless")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -74,6 +95,15 @@ class Manifest:
     """Every file of the artifact (path relative to it) -> its sha256."""
     kernels: dict[str, str] = field(default_factory=dict)
     """Compiled regions (titan-build --kernels): kernel key -> listed file."""
+    moe_capacity: MoECapacity | None = None
+    """A bounded MoE dispatch; None: dropless buffers."""
+    redo_programs: tuple[ProgramFiles, ...] = ()
+    """With a capacity that does not drop: the dropless programs that redo an overflowing step."""
+    redo_rank_programs: tuple[int, ...] = ()
+    """Per rank, the index of its redo program (empty without redo programs)."""
+
+    def redo_program_of(self, rank: int) -> ProgramFiles:
+        return self.redo_programs[self.redo_rank_programs[rank]]
 
     @property
     def dp_degree(self) -> int:
@@ -107,6 +137,12 @@ class Manifest:
              "files": self.files}
         if self.kernels:
             d["kernels"] = self.kernels
+        if self.moe_capacity is not None:
+            d["format_version"] = MOE_CAPACITY_VERSION
+            d["moe_capacity"] = self.moe_capacity.to_json()
+        if self.redo_programs:
+            d["redo_programs"] = [p.to_json() for p in self.redo_programs]
+            d["redo_rank_programs"] = list(self.redo_rank_programs)
         return d
 
     @staticmethod
@@ -116,7 +152,7 @@ class Manifest:
         mpath = Path(root) / MANIFEST
         if not isinstance(m, dict) or m.get("format") != ARTIFACT_FORMAT:
             raise ArtifactError(f"{mpath} is not a titan artifact manifest; rebuild with titan-build")
-        if m.get("format_version") != ARTIFACT_VERSION:
+        if m.get("format_version") not in (ARTIFACT_VERSION, MOE_CAPACITY_VERSION):
             raise ArtifactError(f"{root} has artifact format {m.get('format_version')!r}; this runtime reads "
                                 f"format {ARTIFACT_VERSION}: rebuild it with this version's titan-build")
         for key in REQUIRED:
@@ -146,21 +182,8 @@ def _checked(m: dict) -> Manifest:
     if len(cfg) > 256 or not all(isinstance(k, str) and len(k) <= 64 and plain_config_value(v) for k, v in cfg.items()):
         fail(where, "'model_config' must map at most 256 names to plain values (numbers, short strings, "
                     "lists of layer numbers)")
-    programs = m.get("programs")
-    if not isinstance(programs, list) or not 1 <= len(programs) <= world:
-        fail(where, f"'programs' must list between 1 and {world} programs")
-    for i, entry in enumerate(programs):
-        if not isinstance(entry, dict):
-            fail(where, f"program {i} is malformed")
-        for key in ("meta", "forward", "backward"):
-            rel = check_rel_path(entry.get(key), f"{where} program {i} {key}")
-            if rel not in files:
-                fail(where, f"program {i} {key} file {rel} is not listed in 'files'")
-    assignment = m.get("rank_programs")
-    if not isinstance(assignment, list) or len(assignment) != world:
-        fail(where, f"'rank_programs' must give a program for each of the {world} ranks")
-    for r, index in enumerate(assignment):
-        check_int(index, f"{where} rank_programs[{r}]", 0, len(programs) - 1)
+    programs, assignment = _programs(m, "programs", "rank_programs", files, world, where)
+    capacity, redo, redo_assignment = _moe_capacity(m, files, world, where)
     kernels = m.get("kernels", {})
     _check_kernels(kernels, files, where)
     passes = m.get("passes")
@@ -171,9 +194,53 @@ def _checked(m: dict) -> Manifest:
     return Manifest(**described, model_config=cfg, layout=layout, world_size=world, batch_size=m["batch_size"],
                     seq_len=m["seq_len"], torch_version=m["torch_version"], passes=tuple(passes),
                     hf_checkpoint=hf, files=files, kernels=kernels,
-                    programs=tuple(ProgramFiles(meta=p["meta"], forward=p["forward"], backward=p["backward"])
-                                   for p in programs),
-                    rank_programs=tuple(assignment))
+                    programs=programs, rank_programs=assignment, moe_capacity=capacity, redo_programs=redo,
+                    redo_rank_programs=redo_assignment)
+
+
+def _programs(m: dict, key: str, assignment_key: str, files: dict, world: int,
+              where: str) -> tuple[tuple[ProgramFiles, ...], tuple[int, ...]]:
+    """A list of programs whose files are listed, and the program of each rank."""
+    programs = m.get(key)
+    if not isinstance(programs, list) or not 1 <= len(programs) <= world:
+        fail(where, f"'{key}' must list between 1 and {world} programs")
+    for i, entry in enumerate(programs):
+        if not isinstance(entry, dict):
+            fail(where, f"program {i} is malformed")
+        for part in ("meta", "forward", "backward"):
+            rel = check_rel_path(entry.get(part), f"{where} program {i} {part}")
+            if rel not in files:
+                fail(where, f"program {i} {part} file {rel} is not listed in 'files'")
+    assignment = m.get(assignment_key)
+    if not isinstance(assignment, list) or len(assignment) != world:
+        fail(where, f"'{assignment_key}' must give a program for each of the {world} ranks")
+    for r, index in enumerate(assignment):
+        check_int(index, f"{where} {assignment_key}[{r}]", 0, len(programs) - 1)
+    return (tuple(ProgramFiles(meta=p["meta"], forward=p["forward"], backward=p["backward"]) for p in programs),
+            tuple(assignment))
+
+
+def _moe_capacity(m: dict, files: dict, world: int,
+                  where: str) -> tuple[MoECapacity | None, tuple[ProgramFiles, ...], tuple[int, ...]]:
+    """The bounded MoE dispatch: format version 3 exactly when there is one, and redo programs
+    exactly when it does not drop."""
+    raw = m.get("moe_capacity")
+    if (raw is not None) != (m.get("format_version") == MOE_CAPACITY_VERSION):
+        fail(where, f"'moe_capacity' belongs with format version {MOE_CAPACITY_VERSION}")
+    if raw is None:
+        if "redo_programs" in m:
+            fail(where, "'redo_programs' without 'moe_capacity'")
+        return None, (), ()
+    factor, drop = (raw.get("factor"), raw.get("drop")) if isinstance(raw, dict) else (None, None)
+    if (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1e9
+            or not isinstance(drop, bool)):
+        fail(where, "'moe_capacity' must hold a positive 'factor' and a boolean 'drop'")
+    capacity = MoECapacity(factor=float(factor), drop=drop)
+    if drop:
+        if "redo_programs" in m:
+            fail(where, "a drop-and-pad 'moe_capacity' has no 'redo_programs'")
+        return capacity, (), ()
+    return (capacity, *_programs(m, "redo_programs", "redo_rank_programs", files, world, where))
 
 
 def _layout(m: dict, world: int, where: str) -> Layout:

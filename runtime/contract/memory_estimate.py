@@ -127,6 +127,23 @@ def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: 
                           attention_workspace=flex_attention_workspace((forward, backward)))
 
 
+def capacity_saving(bounded: RankRecord, dropless: RankRecord) -> str:
+    """What a bounded MoE dispatch (titan-build --moe-capacity) saves one rank: its program's
+    saved activations against the dropless program's, which it carries to redo an overflowing
+    step (that program's memory is needed only on such a step, while it runs)."""
+    plan, worst = bounded.model_plan or {}, dropless.model_plan or {}
+    rows = (f"{plan['buffer_rows']:,} dispatch rows per buffer instead of {worst['buffer_rows']:,}; "
+            if "buffer_rows" in plan and "buffer_rows" in worst else "")
+    saved = dropless.saved_bytes - bounded.saved_bytes
+    return (f"MoE capacity {plan.get('capacity_factor', '?')}: {rows}saved activations "
+            f"{_size(bounded.saved_bytes)} instead of {_size(dropless.saved_bytes)} per rank "
+            f"({_size(saved)} less; the dropless redo program needs its own on an overflowing step)")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.2f} MiB"
+
+
 def host_memory() -> tuple[int, int] | None:
     """(total, available) bytes of this host's memory, from /proc/meminfo; None elsewhere."""
     fields = {}

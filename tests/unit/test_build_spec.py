@@ -33,6 +33,16 @@ DEBUG = dict(model="llama3", flavor="debug", tp=1, dp_shard=1, dp_replicate=1, b
      "--passes: fuse_exact must come last (it groups the graph's final order into kernels)"),
     (dict(tp=2, passes=("bucket_all_gather",)), "pass bucket_all_gather needs --dp-shard > 1 in the layout; drop it "
                                                 "from --passes"),
+    (dict(moe_drop=True, model="deepseek_v3"), "--moe-drop drops the assignments past a capacity: give the capacity "
+                                               "too, e.g. --moe-capacity 1.25 --moe-drop"),
+    (dict(moe_capacity=1.25), "--moe-capacity: this llama3 flavor has no routed experts to dispatch; drop "
+                              "--moe-capacity or build a mixture-of-experts flavor"),
+    (dict(model="qwen3", moe_capacity=1.25), "--moe-capacity: this qwen3 flavor has no routed experts to dispatch; "
+                                             "drop --moe-capacity or build a mixture-of-experts flavor"),
+    (dict(model="deepseek_v3", moe_capacity=0.0), "--moe-capacity 0.0: the capacity factor must be a positive number, "
+                                                  "e.g. 1.25"),
+    (dict(model="deepseek_v3", moe_capacity=float("inf")), "--moe-capacity inf: the capacity factor must be a positive "
+                                                           "number, e.g. 1.25"),
 ])
 def test_what_cannot_be_built_is_one_error_with_the_fix(change, message):
     with pytest.raises(ValueError) as e:
@@ -61,3 +71,16 @@ def test_an_artifact_name_spells_out_each_choice_that_is_not_the_default(change,
     assert non_default_choices(flavor=spec.flavor, mesh=[list(d) for d in spec.layout.mesh_shape()],
                                batch_size=spec.batch_size, seq_len=spec.seq_len, dtype=spec.dtype, ac=spec.ac,
                                passes=spec.passes) == tags
+
+
+@pytest.mark.parametrize("change, suffix", [
+    (dict(model="deepseek_v3", ep=2, moe_capacity=1.25), "deepseek_v3-debug-ep2-cap1.25"),
+    (dict(model="deepseek_v3", ep=2, moe_capacity=1.25, moe_drop=True), "deepseek_v3-debug-ep2-cap1.25-drop"),
+    (dict(model="qwen3", flavor="debug-moe", ep=2, moe_capacity=2.0), "qwen3-debug-moe-ep2-cap2"),
+    (dict(model="deepseek_v3", ep=2), "deepseek_v3-debug-ep2"),
+])
+def test_a_moe_capacity_is_in_the_name_and_its_redo_build_is_the_default(change, suffix):
+    spec = make_spec(**(DEBUG | change))
+    assert spec.name == suffix
+    assert spec.moe_redo == (spec.moe_capacity is not None and not spec.moe_drop)
+    assert spec.dropless() == make_spec(**(DEBUG | {k: v for k, v in change.items() if not k.startswith("moe_")}))

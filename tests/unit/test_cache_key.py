@@ -55,3 +55,15 @@ def test_a_rank_key_adds_its_coordinates_and_a_shallow_trace_its_depth():
     shallow = rank_factors(factors, {"tp": 0}, depth=3)
     assert shallow["traced depth"] == 3 and digest(shallow) != digest(ranks[0])
     assert describe_differences(ranks[0], shallow) == ["traced depth None -> 3"]
+
+
+def test_a_moe_capacity_is_a_factor_only_when_set():
+    """A dropless build keeps its key; a capacity (and drop-and-pad) each make another, and the
+    redo program of a capacity build is the dropless build's own entry."""
+    moe = dict(model="deepseek_v3", ep=2)
+    dropless = _factors(**moe)
+    assert "moe capacity" not in dropless
+    capped, dropping = _factors(**moe, moe_capacity=1.25), _factors(**moe, moe_capacity=1.25, moe_drop=True)
+    assert describe_differences(dropless, capped) == ['moe capacity None -> {"factor": 1.25, "overflow": "redo dropless"}']
+    assert len({digest(dropless), digest(capped), digest(dropping)}) == 3
+    assert digest(build_factors(make_spec(**(DEBUG | moe), moe_capacity=1.25).dropless())) == digest(dropless)

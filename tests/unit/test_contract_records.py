@@ -233,3 +233,41 @@ def test_mfu_counts_from_the_config_and_declines_sizes_it_cannot_trust():
         m = _manifest(model_config={"vocab_size": 2048, "dim": 256, "n_layers": 2} | hostile, dtype="bfloat16")
         assert flops_per_token(m, params) is None
         assert mfu_text(m, params, tokens_per_s=1e6, device_name="NVIDIA H100 80GB HBM3") == ""
+
+
+def _bounded(drop: bool = False) -> dict:
+    """A manifest with a bounded MoE dispatch (format 3), its redo program the same files."""
+    doc = _through_json(_manifest().to_json())
+    doc.update(format_version=3, moe_capacity={"factor": 1.25, "drop": drop})
+    if not drop:
+        doc.update(redo_programs=doc["programs"], redo_rank_programs=doc["rank_programs"])
+    return doc
+
+
+def test_a_bounded_moe_manifest_reads_back_with_its_redo_programs():
+    manifest = Manifest.from_json(_bounded(), "art")
+    assert manifest.moe_capacity.factor == 1.25 and not manifest.moe_capacity.drop
+    assert manifest.redo_program_of(3) == manifest.programs[0]
+    assert manifest.to_json() == _bounded()
+    dropping = Manifest.from_json(_bounded(drop=True), "art")
+    assert dropping.moe_capacity.drop and dropping.redo_programs == ()
+    assert _through_json(_manifest().to_json())["format_version"] == 2  # every other artifact stays format 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(format_version=2), "'moe_capacity' belongs with format version 3"),
+    (lambda d: d.pop("moe_capacity"), "'moe_capacity' belongs with format version 3"),
+    (lambda d: d.update(moe_capacity={"factor": -1, "drop": False}), "'moe_capacity' must hold a positive 'factor'"),
+    (lambda d: d.update(moe_capacity={"factor": 1.25, "drop": "no"}), "'moe_capacity' must hold a positive 'factor'"),
+    (lambda d: d.update(moe_capacity={"factor": 1.25, "drop": True}), "a drop-and-pad 'moe_capacity' has no 'redo_programs'"),
+    (lambda d: d.pop("redo_programs"), "'redo_programs' must list between 1 and 4 programs"),
+    (lambda d: d.update(redo_rank_programs=[0, 0]), "'redo_rank_programs' must give a program for each of the 4 ranks"),
+    (lambda d: _edit(d, "redo_programs/0/meta", "programs/other.json"), "program 0 meta file programs/other.json is "
+                                                                        "not listed"),
+])
+def test_a_bounded_moe_manifest_titan_build_would_not_write_is_refused(edit, message):
+    doc = _bounded()
+    edit(doc)
+    with pytest.raises(ValueError, match="rebuild") as e:
+        Manifest.from_json(doc, "art")
+    assert message in str(e.value) and "\n" not in str(e.value)

@@ -49,6 +49,7 @@ SPEC = ModelSpec(
     check_layout=check_layout,
     region_kind=region_kind,
     expert_param=is_expert_param,
+    has_experts=lambda cfg: True,
     place_rank=lazy("titan.builder.models.moe.expert_parallel:place_rank"),
     buffer_metric=buffer_metric,
     leading_layers=lambda cfg: cfg.n_dense_layers,

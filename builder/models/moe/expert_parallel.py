@@ -49,11 +49,14 @@ def place_rank(model: nn.Module, place: RankPlace) -> dict:
     names = mesh.mesh_dim_names if mesh is not None else ()
     plan = set_dispatch(model, tokens=place.batch_size * place.seq_len // layout.tp, ep=layout.ep,
                         ep_group=mesh.get_group("ep") if "ep" in names else None,
-                        load_groups=tuple(mesh.get_group(name) for name in names))
+                        load_groups=tuple(mesh.get_group(name) for name in names),
+                        capacity_factor=place.capacity_factor)
+    # The capacity factor only when set: a dropless build's record stays what it always was.
+    factor = {} if place.capacity_factor is None else {"capacity_factor": place.capacity_factor}
     return {"moe_layers": [i for i, block in model.layers.items() if block.moe],
             "routed_experts": plan.n_experts, "ep": plan.ep, "experts_per_rank": plan.experts_per_rank,
             "top_k": plan.top_k, "tokens_per_rank": plan.tokens, "capacity": plan.capacity,
-            "buffer_rows": plan.buffer_rows, "dropless": plan.dropless}
+            "buffer_rows": plan.buffer_rows, "dropless": plan.dropless, **factor}
 
 
 def shard_experts(model: nn.Module, *, ep: int, ep_rank: int) -> None:

@@ -25,6 +25,7 @@ SPEC = ModelSpec(
     region_kind=region_kind,
     # Dense flavors have no routed experts: check_layout refuses --ep for them.
     expert_param=is_expert_param,
+    has_experts=lambda cfg: cfg.moe,
     place_rank=lambda model, place: (lazy("titan.builder.models.moe.expert_parallel:place_rank")(model, place)
                                      if model.cfg.moe else None),
     buffer_metric=buffer_metric,
