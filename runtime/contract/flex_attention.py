@@ -64,13 +64,19 @@ def attention_mask(documents: torch.Tensor | None, seq: int, device: torch.devic
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
+def _filled(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d tensor of `value` made on `device` by a fill kernel: `torch.tensor(value, device=...)`
+    copies from the host, which a CUDA graph capture refuses (and which waits on the device)."""
+    return torch.full((), value, dtype=dtype, device=device)
+
+
 def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Scaled float32 scores, -inf where masked (FlexAttention's math path, working precision
     float32 for 16- and 32-bit inputs)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = q.to(torch.float32) @ k.to(torch.float32).transpose(-2, -1)
     scores = (scores * scale).to(torch.float32)
-    return torch.where(mask, scores, torch.tensor(-float("inf"), dtype=torch.float32, device=q.device))
+    return torch.where(mask, scores, _filled(-float("inf"), torch.float32, q.device))
 
 
 def _flex_attention(q, k, v, documents):
@@ -96,7 +102,7 @@ def _flex_attention_backward(grad_out, q, k, v, out, lse, documents):
     grad_probs = grad_out.to(torch.float32) @ v.to(torch.float32).transpose(-2, -1)
     row = torch.sum(out.to(torch.float32) * grad_out.to(torch.float32), -1, keepdim=True)
     grad_scores = ((probs * (grad_probs - row)) * scale).to(q.dtype)
-    grad_scores = torch.where(mask, grad_scores, torch.tensor(0, dtype=q.dtype, device=q.device))
+    grad_scores = torch.where(mask, grad_scores, _filled(0, q.dtype, q.device))
     grad_q = grad_scores @ k
     grad_k = grad_scores.transpose(-2, -1) @ q
     return grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous()
