@@ -146,3 +146,25 @@ def hf_round_trip(art: Path, hf_dir: Path, tmp_path: Path) -> Path:
     assert all(torch.equal(original[k], written[k]) for k in original)
     return out
 
+
+
+def write_sidecar(path: Path, tokens: int, eos_id: int | None, *, vocab: int = 2048) -> None:
+    """What titan-data writes beside a token file (runtime/data.py), for a separator `eos_id`."""
+    from titan.runtime.data import sidecar_path
+    sidecar_path(path).write_text(json.dumps({"format": "titan-tokens", "format_version": 1, "dtype": "uint16",
+                                              "vocab_size": vocab, "tokens": tokens, "eos_id": eos_id}))
+
+
+def write_documents(path: Path, *, vocab: int, eos: int) -> Path:
+    """A token file (and its sidecar) of documents 3-90 tokens long, each followed by `eos`:
+    every step's batch has its boundaries at other positions."""
+    import numpy as np
+    g = torch.Generator().manual_seed(7)
+    parts, total = [], 0
+    while total < 8192:
+        doc = torch.randint(0, eos, (int(torch.randint(3, 91, (1,), generator=g)),), generator=g)
+        parts += [doc, torch.tensor([eos])]
+        total += len(doc) + 1
+    path.write_bytes(torch.cat(parts).numpy().astype(np.uint16).tobytes())
+    write_sidecar(path, total, eos, vocab=vocab)
+    return path

@@ -13,38 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_every_rank_equals_eager, titan
+from conftest import assert_every_rank_equals_eager, titan, write_documents, write_sidecar
 from titan.builder.models.attention import describe_attention
-from titan.runtime.data import TokenFile, sidecar_path
+from titan.runtime.data import TokenFile
 
 STEPS = 10
 EOS = 2047
 LAYOUTS = [dict(tp=2), dict(dp_shard=2)]
 
 
-def _write_documents(path, *, vocab: int, eos: int):
-    """A token file (and its sidecar) of documents 3-90 tokens long, each followed by `eos`:
-    every step's batch has its boundaries at other positions."""
-    g = torch.Generator().manual_seed(7)
-    parts, total = [], 0
-    while total < 8192:
-        doc = torch.randint(0, eos, (int(torch.randint(3, 91, (1,), generator=g)),), generator=g)
-        parts += [doc, torch.tensor([eos])]
-        total += len(doc) + 1
-    path.write_bytes(torch.cat(parts).numpy().astype(np.uint16).tobytes())
-    _sidecar(path, total, eos, vocab=vocab)
-    return path
-
-
 @pytest.fixture(scope="module")
 def documents_file(tmp_path_factory):
-    return _write_documents(tmp_path_factory.mktemp("data") / "documents.u16", vocab=2048, eos=EOS)
-
-
-def _sidecar(path, tokens: int, eos_id: int | None, *, vocab: int = 2048) -> None:
-    """What titan-data writes beside a token file (runtime/data.py), for a separator `eos_id`."""
-    sidecar_path(path).write_text(json.dumps({"format": "titan-tokens", "format_version": 1, "dtype": "uint16",
-                                              "vocab_size": vocab, "tokens": tokens, "eos_id": eos_id}))
+    return write_documents(tmp_path_factory.mktemp("data") / "documents.u16", vocab=2048, eos=EOS)
 
 
 def _boundaries(path, step: int, dp_rank: int) -> list[list[int]]:
@@ -84,7 +64,7 @@ def test_a_token_file_with_another_separator_is_refused(eos_id, fix, debug_artif
     art = debug_artifact(tp=2, extra=("--attention", "flex", "--mask", "document", "--eos-id", str(EOS)))
     data = tmp_path / "other.u16"
     data.write_bytes(documents_file.read_bytes())
-    _sidecar(data, data.stat().st_size // 2, eos_id)
+    write_sidecar(data, data.stat().st_size // 2, eos_id)
     r = titan("run", art, "--steps", 1, "--data", data)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
     assert f"masks documents that end with token {EOS}; " in r.stderr and fix in r.stderr
@@ -94,7 +74,7 @@ def test_a_token_file_with_another_separator_is_refused(eos_id, fix, debug_artif
 def test_qwen3_flex_document_equals_eager(debug_artifact, tmp_path):
     """Qwen3 shares the decoder's attention (with its per-head q/k norms): the same choice, tied
     embeddings, at tp 2 x dp-shard 2."""
-    data = _write_documents(tmp_path / "documents.u16", vocab=512, eos=511)
+    data = write_documents(tmp_path / "documents.u16", vocab=512, eos=511)
     art = debug_artifact(tp=2, dp_shard=2, extra=("--model", "qwen3", "--attention", "flex", "--mask", "document",
                                                   "--eos-id", "511"))
     out = tmp_path / "verify.json"

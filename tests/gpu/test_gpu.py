@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import read_metrics, titan
+from conftest import read_metrics, titan, write_documents
 from titan.runtime.contract.artifact import open_artifact
 
 
