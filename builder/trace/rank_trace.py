@@ -8,6 +8,7 @@ ignores the rank, which silently bakes rank 0's coordinates into later ranks' gr
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import replace
 
@@ -107,7 +108,14 @@ def trace_rank(job: RankJob) -> list[RankResult]:
         dist.init_process_group("fake", store=FakeStore(), rank=job.rank, world_size=layout.world_size)
     try:
         mesh = layout.build_mesh("cpu")
-        return [_trace_depth(job, mesh, depth) for depth in job.depths]
+        results = []
+        for depth in job.depths:
+            if results:
+                # A trace process runs without the cyclic collector (rank_job.py): what the last
+                # depth left in cycles goes before the next one is traced.
+                gc.collect()
+            results.append(_trace_depth(job, mesh, depth))
+        return results
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
