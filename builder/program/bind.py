@@ -70,10 +70,22 @@ def same_value(a, b) -> bool:
     """Equal values of equal types (msgpack keeps True apart from 1; so do we)."""
     if type(a) is not type(b):
         return False
+    # Loops, not all() over generators: this compares every value of every probe's graphs (a
+    # deep model's build spends seconds here, issue 30).
     if isinstance(a, list):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+        if len(a) != len(b):
+            return False
+        for x, y in zip(a, b):
+            if not same_value(x, y):
+                return False
+        return True
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+        if a.keys() != b.keys():
+            return False
+        for k, x in a.items():
+            if not same_value(x, b[k]):
+                return False
+        return True
     return a == b
 
 

@@ -8,6 +8,7 @@ ignores the rank, which silently bakes rank 0's coordinates into later ranks' gr
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import replace
 
@@ -18,7 +19,7 @@ import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.builder.passes.checkpointing import tag_activation_checkpointing
@@ -51,12 +52,19 @@ def _desc_input(desc) -> GraphInput:
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A structural copy (nodes and meta dicts copied, tensors in meta shared): deepcopy
-    would clone fake tensors, which fails while the export's fake mode is active."""
+    would clone fake tensors, which fails while the export's fake mode is active. Lazy (as
+    every graph module of a trace: see _trace_depth) where the caller asked for lazy ones."""
     graph = fx.Graph()
     out_val = graph.graph_copy(gm.graph, {})
     old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph.output(out_val).meta.update(old_output.meta)
-    return fx.GraphModule(gm, graph)
+    return _make_graph_module(gm, graph)
+
+
+def lazy(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` generating its Python code only when it is first needed (the partitioner returns
+    eager graph modules; each pass's recompile would otherwise generate it again)."""
+    return gm if isinstance(gm, _LazyGraphModule) else _LazyGraphModule.from_graphmodule(gm)
 
 
 @contextlib.contextmanager
@@ -100,7 +108,14 @@ def trace_rank(job: RankJob) -> list[RankResult]:
         dist.init_process_group("fake", store=FakeStore(), rank=job.rank, world_size=layout.world_size)
     try:
         mesh = layout.build_mesh("cpu")
-        return [_trace_depth(job, mesh, depth) for depth in job.depths]
+        results = []
+        for depth in job.depths:
+            if results:
+                # A trace process runs without the cyclic collector (rank_job.py): what the last
+                # depth left in cycles goes before the next one is traced.
+                gc.collect()
+            results.append(_trace_depth(job, mesh, depth))
+        return results
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -128,7 +143,8 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     with contextlib.ExitStack() as stack:
         stack.enter_context(module_provenance(model))
         # Graph modules generate their Python code when it is first needed, not at each change
-        # (the partitioner and the passes make ~16 per trace; nothing here runs them): ~10% of a trace.
+        # (the partitioner and the passes would generate it ~9 times per trace, and nothing here
+        # runs them): ~10-14% of a trace (issue 30).
         stack.enter_context(_use_lazy_graph_module(True))
         joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels))
         t_export = time.perf_counter()
@@ -141,7 +157,7 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
         joint_copy = copy_graph_module(gm)
         tag_activation_checkpointing(joint_copy, build.ac, ac_block=family.ac_block)
         # The forward returns the buffers' new values first, then the loss.
-        fw, bw = PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=len(mutated) + 1)
+        fw, bw = map(lazy, PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=len(mutated) + 1))
         t_partition = time.perf_counter()
         groups = mesh_dims_by_group(mesh)
         param_names = [inp.fqn for inp in joint_inputs if inp.kind != "tangent"]

@@ -163,15 +163,20 @@ def replace_file(path: Path, data: bytes) -> None:
 
 
 def check_depth(doc: Any, max_depth: int, what: str) -> None:
-    """UnsafeFile if lists / maps nest deeper than `max_depth` (checked without recursion)."""
-    stack = [(doc, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (list, tuple, dict)):
-            if depth > max_depth:
-                raise UnsafeFile(f"{what} nests deeper than {max_depth} levels")
-            children = value.values() if isinstance(value, dict) else value
-            stack.extend((c, depth + 1) for c in children if isinstance(c, (list, tuple, dict)))
+    """UnsafeFile if lists / maps nest deeper than `max_depth` (checked without recursion, one
+    level at a time: a graph document holds about a million values, and this walk is part of
+    every build's and every rank's read of one)."""
+    containers = (list, tuple, dict)
+    level = [doc] if isinstance(doc, containers) else []
+    depth = 1
+    while level:
+        if depth > max_depth:
+            raise UnsafeFile(f"{what} nests deeper than {max_depth} levels")
+        children = []
+        for value in level:
+            children.extend(value.values() if isinstance(value, dict) else value)
+        level = [c for c in children if isinstance(c, containers)]
+        depth += 1
 
 
 # What any document may hold whatever its density: a few KiB of lists and strings cannot expand

@@ -33,14 +33,30 @@ class _Recorder:
         self.loaded: dict[int, tuple[str, bytes, int]] = {}  # function -> (name, cubin, shared)
         self.launches: list | None = None
 
+    # A kernel keeps the launcher it loaded through (torch >= 2.11: the cached property
+    # `C_impl`, part of its pickled state). Inductor deep-copies each kernel into the bundle
+    # its FX graph cache pickles, while the recorder stands in (issue 30). Pickling the real
+    # class then fails: pickle finds classes by name, and the name is the recorder's now ("Can't
+    # pickle <class 'torch._C._StaticCudaLauncher'>: it's not the same object"). So no copy of a
+    # kernel ever holds the real class while the recorder stands in: a copy keeps the recorder,
+    # and an unpickled kernel gets whatever stands in at that moment.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     def __reduce__(self):
-        # Inductor pickles its kernels (their cached launcher included) into its own cache while
-        # the recorder stands in: they unpickle to the real launcher.
-        return (_real_launcher, ())
+        return (_current_launcher, ())
+
+    def __getattr__(self, name):
+        # What is not recorded passes through (torch 2.13's kernels unload through `_unload_kernel`).
+        return getattr(self.real, name)
 
     def _load_kernel(self, path, name, shared, *device):
         loaded = self.real._load_kernel(path, name, shared, *device)
-        self.loaded[loaded[0]] = (name, Path(path).read_bytes(), shared)
+        # (function, registers, spills); torch 2.13 puts the module handle first.
+        self.loaded[loaded[-3]] = (name, Path(path).read_bytes(), shared)
         return loaded
 
     def _launch_kernel(self, function, gx, gy, gz, num_warps, shared, arg_types, args, stream):
@@ -52,9 +68,10 @@ class _Recorder:
 _RECORDER: _Recorder | None = None
 
 
-def _real_launcher():
-    launcher = torch._C._StaticCudaLauncher
-    return launcher.real if isinstance(launcher, _Recorder) else launcher
+def _current_launcher():
+    """What a kernel unpickles its launcher to: the recorder while it stands in (so a kernel
+    inductor loads from its cache during a recording is recorded too), else the real class."""
+    return torch._C._StaticCudaLauncher
 
 
 @contextlib.contextmanager
