@@ -30,6 +30,17 @@ def disable_expandable_segments() -> bool:
     return True
 
 
+def on_side_stream(work, *args):
+    """`work(*args)` run eagerly on a side stream, ordered after and before the current one: a
+    warm-up before a capture (lazy cuBLAS / NCCL initialization must not happen during one)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = work(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    return result
+
+
 class CapturedStep:
     """Callable like GraphProgram.step; the first WARMUP_STEPS steps run eagerly on a side
     stream (lazy cuBLAS / NCCL initialization must not happen during capture)."""
@@ -43,11 +54,7 @@ class CapturedStep:
     def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.warmup_left > 0:
             self.warmup_left -= 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                loss = self.program.step(tokens, labels)
-            torch.cuda.current_stream().wait_stream(side)
+            loss = on_side_stream(self.program.step, tokens, labels)
             if self.warmup_left == 0:
                 torch.cuda.synchronize()
                 # Give the warm-up's blocks back before the graph takes its own pool, so the
@@ -105,12 +112,7 @@ class CapturedLoss:
     def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if not self.warm:
             self.warm = True
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                loss = self.forward_loss(tokens, labels)
-            torch.cuda.current_stream().wait_stream(side)
-            return loss
+            return on_side_stream(self.forward_loss, tokens, labels)
         if self.graph is None:
             self.static["tokens"], self.static["labels"] = tokens.clone(), labels.clone()
             self.graph = torch.cuda.CUDAGraph()
