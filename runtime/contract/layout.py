@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
-"""Outermost first, as torchtitan orders them; a rank's coordinates are row-major, tp innermost."""
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+"""Outermost first, as torchtitan orders them (pipeline stages outermost: stage-to-stage traffic
+is the lightest); a rank's coordinates are row-major, tp innermost."""
 DP_DIMS = ("dp_replicate", "dp_shard", "ep")
 """The data-parallel dimensions: each coordinate on them reads its own slice of the batch (the
 expert-parallel ranks are carved from the data-parallel ones: they route their own tokens)."""
@@ -19,6 +20,9 @@ expert-parallel ranks are carved from the data-parallel ones: they route their o
 
 @dataclass(kw_only=True, frozen=True)
 class Layout:
+    pp: int = 1
+    """Pipeline-parallel degree: the model's layers split into this many stages, one per coordinate
+    (runtime/contract/pipeline_schedule.py)."""
     dp_replicate: int = 1
     """Plain data-parallel replicas (with dp_shard > 1: HSDP)."""
     dp_shard: int = 1
@@ -31,15 +35,15 @@ class Layout:
 
     @staticmethod
     def from_dict(sizes: dict[str, int]) -> Layout:
-        """From a manifest's `layout` ({dimension: size})."""
-        return Layout(**{name: sizes[name] for name in MESH_DIMS})
+        """From a manifest's `layout` ({dimension: size}); one written before `pp` existed has none."""
+        return Layout(**{name: sizes.get(name, 1) if name == "pp" else sizes[name] for name in MESH_DIMS})
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.ep * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.ep * self.tp
 
     @property
     def dp_degree(self) -> int:

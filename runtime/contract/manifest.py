@@ -193,7 +193,8 @@ def _layout(m: dict, world: int, where: str) -> Layout:
         fail(where, f"mesh {mesh} does not multiply to world size {world}")
     layout = m.get("layout")
     if not isinstance(layout, dict) or any(
-            check_int(layout.get(n), f"{where} layout {n}", 1, 1 << 16) != dict(mesh).get(n, 1) for n in MESH_DIMS):
+            check_int(layout.get(n, 1) if n == "pp" else layout.get(n), f"{where} layout {n}", 1, 1 << 16)
+            != dict(mesh).get(n, 1) for n in MESH_DIMS):
         fail(where, "'layout' disagrees with 'mesh'")
     return Layout.from_dict(layout)
 
