@@ -60,7 +60,12 @@ def main(shape_args, **values):
     spec = make_spec(model=model, flavor=flavor, tp=cfg.tp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate,
                      ep=cfg.ep, batch_size=cfg.batch_size, seq_len=cfg.seq_len, partitioner=cfg.partitioner,
                      dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse,
-                     passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape)
+                     passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape,
+                     pp=cfg.pp, microbatches=cfg.microbatches, pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split)
+    if spec.pipeline is not None or cfg.pp_plan:
+        from titan.cli.pipeline_plan import show_pipeline_plan
+        show_pipeline_plan(spec, plan_only=cfg.pp_plan)
+        return
     out = out or Path("artifacts") / spec.name
     lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work
     if not replace:

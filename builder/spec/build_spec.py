@@ -14,6 +14,7 @@ from titan.builder.models import model_spec
 from titan.builder.models.shape import apply_shape, shape_tags
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes.registry import check_passes, default_passes
+from titan.builder.spec.pipeline_spec import PipelineSpec, make_pipeline
 from titan.runtime.contract.layout import Layout
 
 # Batch shape defaults: small for the CPU-sized flavors, Llama-3 pretraining shape otherwise.
@@ -50,6 +51,8 @@ class BuildSpec:
     shape: tuple[tuple[str, int | float], ...] = ()
     """Dimensions set on top of the flavor (field, value), checked by make_spec
     (builder/models/shape.py); part of the model config and of the artifact's name."""
+    pipeline: PipelineSpec | None = None
+    """With --pp > 1: the schedule, micro-batches and stage split (builder/spec/pipeline_spec.py)."""
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -71,6 +74,7 @@ class BuildSpec:
         that two different builds never share a default directory."""
         flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
         return "-".join([f"{self.model}{flavor}", *shape_tags(dict(self.shape)), self.layout.tag(),
+                         *(self.pipeline.tags() if self.pipeline else []),
                          *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
                                               batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
                                               ac=self.ac, passes=self.passes,
@@ -127,16 +131,19 @@ def non_default_choices(*, flavor: str, mesh: list, batch_size: int, seq_len: in
 def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_replicate: int, ep: int = 1,
               batch_size: int | None, seq_len: int | None, partitioner: str = "min_cut",
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
-              fuse: str | None = None, shape: Mapping[str, Any] | None = None) -> BuildSpec:
+              fuse: str | None = None, shape: Mapping[str, Any] | None = None, pp: int = 1,
+              microbatches: int | None = None, pp_schedule: str | None = None,
+              pp_split: str | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it.
-    `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py)."""
+    `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py);
+    `pp` and the pipeline options: builder/spec/pipeline_spec.py."""
     family = model_spec(model)
     flavor = flavor or family.default_flavor
     if flavor not in family.flavors:
         raise ValueError(f"unknown flavor {flavor!r} for {model}; available: {', '.join(family.flavors)}")
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
-    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
+    layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
     shaped = apply_shape(family, family.flavors[flavor], shape or {})
     check_layout(family, shaped, layout)
     default_b, default_s = _default_shape(flavor)
@@ -162,6 +169,8 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         # --fuse's regions take in the exact ones.
         passes = tuple(p for p in passes if p != "fuse_exact") + (f"fuse_{fuse}",)
     check_passes(passes, sizes)
+    pipeline = make_pipeline(model=model, cfg=shaped, layout=layout, seq_len=seq_len, schedule=pp_schedule,
+                             microbatches=microbatches, split=pp_split)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
-                     partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac,
+                     partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac, pipeline=pipeline,
                      shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})))

@@ -25,8 +25,10 @@ def builder_version() -> str:
 
 
 def build_factors(spec) -> dict:
-    """Factor name -> value for a BuildSpec. Names are what --explain prints."""
+    """Factor name -> value for a BuildSpec. Names are what --explain prints. A pipeline's
+    choices are a factor only where there is a pipeline: other builds keep their keys."""
     return {
+        **({"pipeline": spec.pipeline.factor()} if spec.pipeline else {}),
         "model": spec.model,
         "flavor": spec.flavor,
         "model config": spec.cfg.as_dict(),
