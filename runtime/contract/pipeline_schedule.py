@@ -138,6 +138,28 @@ class PipelineSchedule:
                 kind, stage, mb = missing[0]
                 fail(where, f"rank {r} never runs {stage}{kind}{mb}")
         self._check_deadlock_free(where)
+        self._check_pairs_in_order(where)
+
+    def peer(self, a: Action) -> int:
+        """The pp rank a transfer goes to or comes from."""
+        step = 1 if a.kind in ("SEND_F", "RECV_B") else -1
+        return self.stage_rank[a.stage + step]
+
+    def _check_pairs_in_order(self, where: str) -> None:
+        """Between two ranks, the receiver takes messages in the order they were sent (NCCL matches
+        point-to-point messages by order alone)."""
+        sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        for r, rank in enumerate(self.actions):
+            for a in rank:
+                if a.kind in SENDS:
+                    target = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
+                    sent.setdefault((r, self.peer(a)), []).append((SENDS[a.kind], target, a.microbatch))
+                elif a.kind in SENDS.values():
+                    received.setdefault((self.peer(a), r), []).append((a.kind, a.stage, a.microbatch))
+        for pair, messages in received.items():
+            if sent.get(pair) != messages:
+                fail(where, f"pp rank {pair[1]} receives from pp rank {pair[0]} in another order than it sends")
 
     def _check_deadlock_free(self, where: str) -> None:
         """Run every rank's actions in turn: a send is posted at once, a receive waits for its

@@ -56,8 +56,8 @@ def test_a_record_reads_back_what_was_written():
     assert PipelineSchedule.from_json(record.to_json(), "x", n_layers=6, pp=3) == record
 
 
-def _mutated(change) -> dict:
-    d = pipeline_schedule("1f1b", spans=((0, 2), (2, 4)), microbatches=2).to_json()
+def _mutated(change, schedule: str = "1f1b") -> dict:
+    d = pipeline_schedule(schedule, spans=((0, 2), (2, 4)), microbatches=2).to_json()
     change(d)
     return d
 
@@ -91,9 +91,20 @@ def _swap(actions: list, a: str, b: str) -> None:
     (lambda d: d.pop("stage_rank"), "needs exactly"),
 ])
 def test_a_record_titan_build_would_not_write_is_one_line(change, message):
+    _refused(_mutated(change), message)
+
+
+def _refused(record: dict, message: str) -> None:
     with pytest.raises(ArtifactCheckError, match=message) as info:
-        PipelineSchedule.from_json(_mutated(change), "pipeline", n_layers=4, pp=2)
+        PipelineSchedule.from_json(record, "pipeline", n_layers=4, pp=2)
     assert "\n" not in str(info.value) and str(info.value).endswith("rebuild the artifact with titan-build")
+
+
+def test_a_rank_that_receives_in_another_order_than_its_peer_sends_is_refused():
+    # Causal and deadlock-free with tagged messages, but NCCL matches messages by order alone.
+    def take_micro_batch_1_first(d):
+        d["actions"][1][:4] = ["1RECV_F1", "1F1", "1RECV_F0", "1F0"]
+    _refused(_mutated(take_micro_batch_1_first, "gpipe"), "receives from pp rank 0 in another order than it sends")
 
 
 def test_the_balanced_split_counts_the_output_and_the_embedding():
