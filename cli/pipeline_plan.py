@@ -7,6 +7,8 @@ from __future__ import annotations
 import click
 
 from titan.builder.spec.build_spec import BuildSpec
+from titan.builder.spec.stage_split import dense_decoder_costs
+from titan.runtime.contract.memory_estimate import GIB, PARAM_STATE_BYTES
 
 
 def show_pipeline_plan(spec: BuildSpec, *, plan_only: bool) -> None:
@@ -18,6 +20,15 @@ def show_pipeline_plan(spec: BuildSpec, *, plan_only: bool) -> None:
                f"stage [{layout.tag()}], micro-batches of {spec.batch_size} x seq {spec.seq_len}")
     for line in record.table():
         click.echo(line)
+    click.echo("memory per rank of each stage (fp32 parameters, gradients and AdamW's two moments, sharded over "
+               "the stage's tp x dp-shard ranks; saved activations: the peak micro-batches in flight times one "
+               "micro-batch's, which the stage's trace will report):")
+    costs = dense_decoder_costs(spec.cfg, spec.seq_len)
+    shards = layout.tp * layout.dp_shard
+    for s, (a, b) in enumerate(record.stage_layers):
+        params = costs.stage_params(a, b, first=s == 0, last=s == record.n_stages - 1)
+        click.echo(f"  stage {s}: {params / 1e9:.3g} B parameters, {params * PARAM_STATE_BYTES / shards / GIB:.2f} GiB "
+                   f"per rank; {record.in_flight(s)} micro-batches in flight")
     if not plan_only:
         raise ValueError(f"--pp {layout.pp}: stage programs are not built yet (the split and schedule above are "
                          "checked; --pp-plan shows them without this error); build with --pp 1")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 @dataclass(kw_only=True, frozen=True)
 class StageCosts:
-    """Training FLOPs per token of the pieces a stage can hold."""
+    """Training FLOPs per token of the pieces a stage can hold (and their parameters, for the
+    memory report)."""
 
     block: tuple[float, ...]
     """Each transformer block's."""
@@ -22,17 +23,28 @@ class StageCosts:
     """The first stage's embedding."""
     head: float
     """The last stage's final norm, output projection and loss."""
+    block_params: tuple[int, ...] = ()
+    """Each block's parameter count."""
+    embedding_params: int = 0
+    """The embedding's."""
+    head_params: int = 0
+    """The final norm's and the output projection's."""
 
     def stage(self, start: int, stop: int, *, first: bool, last: bool) -> float:
         return sum(self.block[start:stop]) + first * self.embedding + last * self.head
+
+    def stage_params(self, start: int, stop: int, *, first: bool, last: bool) -> int:
+        return sum(self.block_params[start:stop]) + first * self.embedding_params + last * self.head_params
 
 
 def dense_decoder_costs(cfg, seq_len: int) -> StageCosts:
     """Costs of a dense decoder whose config gives dim, vocab_size, n_layers and n_params
     (untied embedding and output, as Llama 3)."""
-    per_block = (cfg.n_params - 2 * cfg.vocab_size * cfg.dim - cfg.dim) / cfg.n_layers
+    embedding, head = cfg.vocab_size * cfg.dim, cfg.vocab_size * cfg.dim + cfg.dim
+    per_block = (cfg.n_params - embedding - head) // cfg.n_layers
     return StageCosts(block=(6 * per_block + 12 * cfg.dim * seq_len,) * cfg.n_layers,
-                      embedding=2 * cfg.dim, head=6 * cfg.vocab_size * cfg.dim)
+                      embedding=2 * cfg.dim, head=6 * cfg.vocab_size * cfg.dim,
+                      block_params=(per_block,) * cfg.n_layers, embedding_params=embedding, head_params=head)
 
 
 def balanced_split(costs: StageCosts, stages: int) -> tuple[int, ...]:

@@ -125,6 +125,9 @@ def test_the_balanced_split_counts_the_output_and_the_embedding():
                 continue
             alt = [costs.stage(a, b, first=i == 0, last=i == 3) for i, (a, b) in enumerate(layer_spans(tuple(other)))]
             assert max(alt) >= max(stage_costs)
+    # The memory report's parameter counts: the stages hold the whole model once.
+    assert sum(costs.stage_params(a, b, first=s == 0, last=s == 3) for s, (a, b) in enumerate(spans)) == \
+        FLAVORS["8B"].n_params
     # Equal blocks and no head: an even split.
     assert balanced_split(type(costs)(block=(1.0,) * 8, embedding=0.0, head=0.0), 4) == (2, 2, 2, 2)
 
