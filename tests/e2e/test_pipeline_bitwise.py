@@ -21,26 +21,29 @@ from processes import torchrun_envs
 WORKER = Path(__file__).resolve().parents[1] / "pipeline_worker.py"
 
 
-CASES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2")]
+TWO_STAGES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2")]
 """(schedule, micro-batches, layers per stage): an uneven split and the two schedules."""
+THREE_STAGES = [("1f1b", 5, "2,1,1"), ("gpipe", 2, "1,2,1")]
+"""A middle stage, which receives and sends both ways; more micro-batches than stages, and fewer."""
 
 
-def _run(tmp_path: Path, *, ranks: int, steps: int) -> list[list[dict]]:
+def _run(tmp_path: Path, cases: list[tuple], *, ranks: int, steps: int) -> list[list[dict]]:
     """Per case, per rank: the worker's results."""
-    cases = [arg for case in CASES for arg in ("--case", ":".join(map(str, case)))]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), *cases, "--steps", str(steps)],
+    args = [arg for case in cases for arg in ("--case", ":".join(map(str, case)))]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), *args, "--steps", str(steps)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for env in torchrun_envs(ranks)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-4000:]
     return [[load_file(tmp_path / str(c) / f"rank{r}.safetensors")
              | {"order": json.loads((tmp_path / str(c) / f"rank{r}.json").read_text())} for r in range(ranks)]
-            for c in range(len(CASES))]
+            for c in range(len(cases))]
 
 
-def test_the_executor_runs_gpipe_and_1f1b_bitwise_as_torch_pipelining_does(tmp_path):
-    steps = 2
-    for (schedule, microbatches, split), per_rank in zip(CASES, _run(tmp_path, ranks=2, steps=steps)):
+@pytest.mark.parametrize("cases", [TWO_STAGES, THREE_STAGES], ids=["pp2", "pp3"])
+def test_the_executor_runs_gpipe_and_1f1b_bitwise_as_torch_pipelining_does(cases, tmp_path):
+    steps, ranks = 2, len(cases[0][2].split(","))
+    for (schedule, microbatches, split), per_rank in zip(cases, _run(tmp_path, cases, ranks=ranks, steps=steps)):
         for rank, result in enumerate(per_rank):
             assert result["order"]["titan"] == result["order"]["torch"], f"{schedule}: rank {rank} runs in another order"
             params = [k.removeprefix("torch.param.") for k in result if k.startswith("torch.param.")]
