@@ -35,6 +35,7 @@ from titan.builder.models.llama3.config import FLAVORS
 from titan.builder.models.llama3.model import Llama3
 from titan.builder.spec.pipeline_order import pipeline_schedule
 from titan.builder.spec.stage_split import layer_spans
+from titan.runtime.contract.layout import Layout
 from titan.runtime.pipeline_executor import run_pipeline_step
 
 SEQ, MICROBATCH_ROWS = 32, 1
@@ -159,7 +160,8 @@ def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: 
             else:
                 runner = EagerStage(module, first=first, last=last, tokens=tokens, labels=labels,
                                     microbatches=microbatches)
-                run_pipeline_step(record, pp_rank=rank, stages={rank: runner}, global_rank=lambda p: p)
+                run_pipeline_step(record, pp_rank=rank, stages={rank: runner},
+                                  global_rank=lambda p: Layout(pp=pp).pipeline_peer(rank, p))
                 for p in module.parameters():  # the mean over micro-batches, as torch's scale_grads
                     p.grad.div_(microbatches)
                 losses = runner.losses

@@ -67,6 +67,12 @@ class Layout:
         return ((coords.get("dp_replicate", 0) * self.dp_shard + coords.get("dp_shard", 0)) * self.ep
                 + coords.get("ep", 0))
 
+    def pipeline_peer(self, rank: int, pp_coord: int) -> int:
+        """The rank at pipeline coordinate `pp_coord` whose other coordinates are `rank`'s: where
+        `rank`'s stage sends activations and gradients (pp outermost: a block of ranks per stage)."""
+        per_stage = self.world_size // self.pp
+        return pp_coord * per_stage + rank % per_stage
+
     def tag(self) -> str:
         """'tp2', 'dp-shard2-tp2', ... ('single' for one rank): artifact names."""
         parts = [f"{name.replace('_', '-')}{size}" for name, size in self.mesh_shape()]
