@@ -6,11 +6,12 @@ one per rank, torchrun style).
 e.g. `--case gpipe:3:3,1`: GPipe, 3 micro-batches, 3 layers on stage 0 and 1 on stage 1. Each case
 runs in turn in the same processes (one start-up for all).
 
-The rank builds the same seeded model, keeps its stage's layers (the first stage the embedding,
-the last the final norm, output and loss) and trains it twice from the same weights: with
-PyTorch's own torch.distributed.pipelining (PipelineStage and ScheduleGPipe / Schedule1F1B), and
-with titan's schedule record run by titan's executor (runtime/pipeline_executor.py) on eager
-stages. Writes OUT/<case index>/rank{r}.safetensors (each step's loss on the last stage, every parameter
+The rank builds the same seeded model, keeps its stage's layers (builder/models/decoder_stage.py:
+the first stage the embedding, the last the final norm, output and loss) and trains it three
+times from the same weights: with PyTorch's own torch.distributed.pipelining (PipelineStage and
+ScheduleGPipe / Schedule1F1B, "torch"), and with titan's schedule record run by titan's executor
+(runtime/pipeline_executor.py) on the eager stage ("titan") and on the stage's program, traced
+(builder/trace/stage_trace.py), written and read back in the titan graph format ("graph"). Writes OUT/<case index>/rank{r}.safetensors (each step's loss on the last stage, every parameter
 after the last step, for both) and rank{r}.json (the order torch ran forwards and backwards).
 """
 
@@ -24,13 +25,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
 
-from titan.builder.models.decoder import rope_tables
+from titan.builder.models.decoder_stage import DecoderStage, mean_token_loss
+from titan.builder.trace.stage_trace import trace_stage
+from titan.runtime.contract.graph_decode import load_graph
+from titan.runtime.pipeline_stage import GraphStage
 from titan.builder.models.llama3.config import FLAVORS
 from titan.builder.models.llama3.model import Llama3
 from titan.builder.spec.pipeline_order import pipeline_schedule
@@ -41,45 +43,21 @@ from titan.runtime.pipeline_executor import run_pipeline_step
 SEQ, MICROBATCH_ROWS = 32, 1
 
 
-class StageModule(nn.Module):
-    """Layers [start, stop) of `model`, with its embedding on the first stage and its norm and
-    output on the last: activations in, activations (or logits) out."""
-
-    def __init__(self, model: Llama3, start: int, stop: int, *, first: bool, last: bool):
-        super().__init__()
-        self.cfg = model.cfg
-        self.tok_embeddings = model.tok_embeddings if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(start, stop)})
-        self.norm, self.output = (model.norm, model.output) if last else (None, None)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(h)
-        cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        return self.output(self.norm(h)) if self.output is not None else h
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-
 class EagerStage:
-    """titan's StageRunner on an eager StageModule: one step's micro-batches."""
+    """titan's StageRunner on an eager DecoderStage: one step's micro-batches."""
 
-    def __init__(self, module: StageModule, *, first: bool, last: bool, tokens, labels, microbatches: int):
-        self.module, self.first, self.last = module, first, last
+    def __init__(self, module: DecoderStage, *, first: bool, last: bool, tokens, labels, microbatches: int, dim: int):
+        self.module, self.first, self.last, self.dim = module, first, last, dim
         self.tokens, self.labels = tokens.chunk(microbatches), labels.chunk(microbatches)
         self.saved: dict[int, tuple] = {}
-        self.losses: list[torch.Tensor] = []
+        self.losses: dict[int, torch.Tensor] = {}
 
     def forward(self, mb, inputs):
         x = self.tokens[mb] if self.first else inputs.requires_grad_()
         out = self.module(x)
         if self.last:
-            loss = loss_fn(out, self.labels[mb])
-            self.losses.append(loss.detach())
+            loss = mean_token_loss(out, self.labels[mb])
+            self.losses[mb] = loss.detach()
             self.saved[mb] = (x, loss)
             return None
         self.saved[mb] = (x, out)
@@ -91,10 +69,10 @@ class EagerStage:
         return None if self.first else x.grad
 
     def input_buffer(self, mb):
-        return torch.empty(MICROBATCH_ROWS, SEQ, self.module.cfg.dim)
+        return torch.empty(MICROBATCH_ROWS, SEQ, self.dim)
 
     def output_grad_buffer(self, mb):
-        return torch.empty(MICROBATCH_ROWS, SEQ, self.module.cfg.dim)
+        return torch.empty(MICROBATCH_ROWS, SEQ, self.dim)
 
 
 def main() -> None:
@@ -120,10 +98,18 @@ def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: 
 
     torch.manual_seed(0)
     # The debug flavor, narrower (the stages' arithmetic is not what this checks) and deep enough.
-    model = Llama3(dataclasses.replace(FLAVORS["debug"], n_layers=spans[-1][1], dim=64, n_heads=4, n_kv_heads=2,
-                                       vocab_size=512))
-    ours = StageModule(model, *spans[rank], first=first, last=last)
-    theirs = copy.deepcopy(ours)
+    cfg = dataclasses.replace(FLAVORS["debug"], n_layers=spans[-1][1], dim=64, n_heads=4, n_kv_heads=2, vocab_size=512)
+    model = Llama3(cfg)
+    ours = DecoderStage(model, *spans[rank], first=first, last=last)
+    theirs, graphs = copy.deepcopy(ours), copy.deepcopy(ours)
+    # This rank's stage program, traced from the stage on the meta device, written and read back.
+    with torch.device("meta"):
+        traced = DecoderStage(Llama3(cfg), *spans[rank], first=first, last=last)
+    program = trace_stage(traced, inputs=(("tokens",) if first else ("activations",)) + (("labels",) if last else ()),
+                          micro_batch=(MICROBATCH_ROWS, SEQ), dim=cfg.dim)
+    forward, backward = (load_graph(blob, device=torch.device("cpu"), groups={})
+                         for blob in (program.forward, program.backward))
+    graph_params = dict(graphs.named_parameters())
     batch_rows = MICROBATCH_ROWS * microbatches
     data = [torch.randint(0, model.cfg.vocab_size, (2, batch_rows, SEQ), generator=torch.Generator().manual_seed(s))
             for s in range(steps)]
@@ -144,9 +130,9 @@ def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: 
     theirs.register_forward_hook(log_forward)
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     stage = PipelineStage(theirs, rank, pp, torch.device("cpu"))
-    reference = schedule_class(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    reference = schedule_class(stage, n_microbatches=microbatches, loss_fn=mean_token_loss)
     results = {}
-    for name, module in (("torch", theirs), ("titan", ours)):
+    for name, module in (("torch", theirs), ("titan", ours), ("graph", graphs)):
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=False)
         for step, (tokens, labels) in enumerate(data):
             optimizer.zero_grad(set_to_none=True)
@@ -158,13 +144,19 @@ def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: 
                 else:
                     reference.step(target=labels, losses=losses)
             else:
-                runner = EagerStage(module, first=first, last=last, tokens=tokens, labels=labels,
-                                    microbatches=microbatches)
+                if name == "titan":
+                    runner = EagerStage(module, first=first, last=last, tokens=tokens, labels=labels,
+                                        microbatches=microbatches, dim=cfg.dim)
+                else:
+                    runner = GraphStage(forward=forward, backward=backward,
+                                        params=[graph_params[n] for n in program.params], inputs=program.inputs,
+                                        tokens=tokens.chunk(microbatches), labels=labels.chunk(microbatches),
+                                        activation_shape=(MICROBATCH_ROWS, SEQ, cfg.dim), dtype=torch.float32)
                 run_pipeline_step(record, pp_rank=rank, stages={rank: runner},
                                   global_rank=lambda p: Layout(pp=pp).pipeline_peer(rank, p))
                 for p in module.parameters():  # the mean over micro-batches, as torch's scale_grads
                     p.grad.div_(microbatches)
-                losses = runner.losses
+                losses = [runner.losses[m] for m in range(microbatches)] if last else []
             if last:
                 results[f"{name}.loss.{step}"] = torch.stack(losses)
             optimizer.step()
