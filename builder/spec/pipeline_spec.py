@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from titan.builder.spec.pipeline_order import pipeline_schedule
 from titan.builder.spec.stage_split import balanced_split, dense_decoder_costs, layer_spans, parse_split
 from titan.runtime.contract.layout import Layout
-from titan.runtime.contract.pipeline_schedule import MAX_MICROBATCHES, SCHEDULES, PipelineSchedule
+from titan.runtime.contract.pipeline_schedule import MAX_ACTIONS, MAX_MICROBATCHES, SCHEDULES, PipelineSchedule
 
 PIPELINE_MODELS = ("llama3",)
 """Families whose stage split and stage programs titan knows (a stage cost model each)."""
@@ -68,6 +68,10 @@ def make_pipeline(*, model: str, cfg, layout: Layout, seq_len: int, schedule: st
     if schedule == "1f1b" and microbatches < layout.pp:
         raise ValueError(f"--pp-schedule 1f1b needs --microbatches >= --pp ({microbatches} < {layout.pp}): its "
                          "warm-up fills every stage; raise --microbatches or use --pp-schedule gpipe")
+    actions = 6 * layout.pp * microbatches  # at most: forward, backward and four transfers per stage and micro-batch
+    if actions > MAX_ACTIONS:
+        raise ValueError(f"--pp {layout.pp} x --microbatches {microbatches} is up to {actions:,} actions per step, "
+                         f"more than a schedule record holds ({MAX_ACTIONS:,}); use fewer micro-batches")
     if split is None:
         counts = balanced_split(dense_decoder_costs(cfg, seq_len), layout.pp)
     else:

@@ -162,28 +162,32 @@ class PipelineSchedule:
                 fail(where, f"pp rank {pair[1]} receives from pp rank {pair[0]} in another order than it sends")
 
     def _check_deadlock_free(self, where: str) -> None:
-        """Run every rank's actions in turn: a send is posted at once, a receive waits for its
-        send. Every rank must reach its end."""
+        """Run every rank's actions: a send is posted at once, a receive waits for its send. Every
+        rank must reach its end. Linear in the actions (a hostile record cannot make it slow): a
+        rank runs until it blocks, and is woken once by the send it waits for."""
         posted: set[tuple[str, int, int]] = set()
+        waiting: dict[tuple[str, int, int], int] = {}  # the receive a blocked rank waits for -> that rank
         at = [0] * len(self.actions)
-        while True:
-            moved = False
-            for r, rank in enumerate(self.actions):
-                while at[r] < len(rank):
-                    a = rank[at[r]]
-                    if a.kind in SENDS.values() and (a.kind, a.stage, a.microbatch) not in posted:
-                        break
-                    if a.kind in SENDS:
-                        target = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
-                        posted.add((SENDS[a.kind], target, a.microbatch))
-                    at[r] += 1
-                    moved = True
-            if all(at[r] == len(rank) for r, rank in enumerate(self.actions)):
-                return
-            if not moved:
-                stuck = ", ".join(f"rank {r} at {rank[at[r]]}" for r, rank in enumerate(self.actions)
-                                  if at[r] < len(rank))
-                fail(where, f"the schedule deadlocks ({stuck})")
+        ready = list(range(len(self.actions)))
+        while ready:
+            r = ready.pop()
+            rank = self.actions[r]
+            while at[r] < len(rank):
+                a = rank[at[r]]
+                key = (a.kind, a.stage, a.microbatch)
+                if a.kind in SENDS.values() and key not in posted:
+                    waiting[key] = r
+                    break
+                if a.kind in SENDS:
+                    target = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
+                    sent = (SENDS[a.kind], target, a.microbatch)
+                    posted.add(sent)
+                    if sent in waiting:
+                        ready.append(waiting.pop(sent))
+                at[r] += 1
+        if waiting:
+            stuck = ", ".join(f"rank {r} at {self.actions[r][at[r]]}" for r in sorted(waiting.values()))
+            fail(where, f"the schedule deadlocks ({stuck})")
 
     def in_flight(self, stage: int) -> int:
         """The most micro-batches whose forward ran on `stage` and whose backward has not: how many
@@ -211,11 +215,15 @@ def _kinds(stage: int, last: int) -> tuple[str, ...]:
     return ("F", "B", *(("RECV_F", "SEND_B") if stage > 0 else ()), *(("SEND_F", "RECV_B") if stage < last else ()))
 
 
-def _requires(a: Action, last: int) -> list[tuple[str, int, int]]:
+def _requires(a: Action, last: int) -> tuple[tuple[str, int, int], ...]:
     """The actions of the same rank that must come before `a`."""
-    s, m = a.stage, a.microbatch
-    return {"F": [("RECV_F", s, m)] if s > 0 else [],
-            "SEND_F": [("F", s, m)],
-            "B": [("F", s, m)] + ([("RECV_B", s, m)] if s < last else []),
-            "SEND_B": [("B", s, m)],
-            "RECV_F": [], "RECV_B": [("F", s, m)]}[a.kind]
+    s, m, kind = a.stage, a.microbatch, a.kind
+    if kind == "F":
+        return (("RECV_F", s, m),) if s > 0 else ()
+    if kind == "B":
+        return (("F", s, m), ("RECV_B", s, m)) if s < last else (("F", s, m),)
+    if kind == "SEND_F" or kind == "RECV_B":
+        return (("F", s, m),)
+    if kind == "SEND_B":
+        return (("B", s, m),)
+    return ()

@@ -24,6 +24,9 @@ FOUR_LAYERS = DEBUG | dict(shape={"n_layers": 4})
                                  "stage; raise --microbatches or use --pp-schedule gpipe"),
     (dict(pp=2, pp_schedule="zbv"), "unknown --pp-schedule 'zbv'; use one of gpipe, 1f1b"),
     (dict(pp=2, pp_split="1,3"), "--pp-split '1,3' holds 4 layers; the model has 2"),
+    (dict(pp=64, microbatches=4096, shape={"n_layers": 64}),
+     "--pp 64 x --microbatches 4096 is up to 1,572,864 actions per step, more than a schedule record holds "
+     "(1,048,576); use fewer micro-batches"),
     (dict(microbatches=4), "--microbatches set without --pp; add --pp N (N > 1) or drop --microbatches"),
     (dict(pp_split="1,1"), "--pp-split set without --pp; add --pp N (N > 1) or drop --pp-split"),
 ])
