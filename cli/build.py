@@ -61,7 +61,8 @@ def main(shape_args, **values):
                      ep=cfg.ep, batch_size=cfg.batch_size, seq_len=cfg.seq_len, partitioner=cfg.partitioner,
                      dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape,
-                     pp=cfg.pp, microbatches=cfg.microbatches, pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split)
+                     pp=cfg.pp, microbatches=cfg.microbatches, pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split,
+                     pp_stages_per_rank=cfg.pp_stages_per_rank)
     if spec.pipeline is not None or cfg.pp_plan:
         from titan.cli.pipeline_plan import show_pipeline_plan
         show_pipeline_plan(spec, plan_only=cfg.pp_plan)

@@ -133,7 +133,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
               fuse: str | None = None, shape: Mapping[str, Any] | None = None, pp: int = 1,
               microbatches: int | None = None, pp_schedule: str | None = None,
-              pp_split: str | None = None) -> BuildSpec:
+              pp_split: str | None = None, pp_stages_per_rank: int | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it.
     `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py);
     `pp` and the pipeline options: builder/spec/pipeline_spec.py."""
@@ -170,7 +170,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         passes = tuple(p for p in passes if p != "fuse_exact") + (f"fuse_{fuse}",)
     check_passes(passes, sizes)
     pipeline = make_pipeline(model=model, cfg=shaped, layout=layout, seq_len=seq_len, schedule=pp_schedule,
-                             microbatches=microbatches, split=pp_split)
+                             microbatches=microbatches, split=pp_split, stages_per_rank=pp_stages_per_rank)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac, pipeline=pipeline,
                      shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})))

@@ -77,7 +77,7 @@ def parse_split(text: str, *, stages: int, n_layers: int) -> tuple[int, ...]:
     except ValueError:
         raise ValueError(f"--pp-split {text!r}: give one layer count per stage, comma-separated (e.g. 3,1)") from None
     if len(counts) != stages:
-        raise ValueError(f"--pp-split {text!r} gives {len(counts)} stage(s); --pp {stages} needs {stages} counts")
+        raise ValueError(f"--pp-split {text!r} gives {len(counts)} stage(s); the pipeline has {stages}")
     if min(counts) < 1:
         raise ValueError(f"--pp-split {text!r}: every stage needs at least one layer")
     if sum(counts) != n_layers:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from titan.runtime.contract.checks import check_int, check_str, fail
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """The schedules titan builds (builder/spec/pipeline_order.py), by their --pp-schedule names."""
 COMPUTE = ("F", "B")
 SENDS = {"SEND_F": "RECV_F", "SEND_B": "RECV_B"}
@@ -56,14 +56,15 @@ class Action:
 @dataclass(frozen=True, slots=True)
 class PipelineSchedule:
     schedule: str
-    """gpipe or 1f1b."""
+    """gpipe, 1f1b or interleaved-1f1b (several stages per pp rank)."""
     microbatches: int
     """Micro-batches per step: the rank's batch is split into this many along dim 0."""
     stage_layers: tuple[tuple[int, int], ...]
     """Per stage, the [start, stop) of its transformer blocks; the first stage also holds the
     embedding, the last the final norm, the output projection and the loss."""
     stage_rank: tuple[int, ...]
-    """Per stage, the pipeline coordinate (pp rank) that runs it."""
+    """Per stage, the pipeline coordinate (pp rank) that runs it (s % pp: interleaved schedules
+    give each rank every pp-th stage)."""
     actions: tuple[tuple[Action, ...], ...]
     """Per pipeline coordinate, its actions for one step, in the order they run."""
 

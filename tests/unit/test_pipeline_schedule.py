@@ -8,10 +8,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from titan.builder.models.llama3.config import FLAVORS
-from titan.builder.spec.pipeline_order import pipeline_schedule
+from titan.builder.spec.pipeline_order import interleaved_rounds, pipeline_schedule
 from titan.builder.spec.stage_split import balanced_split, dense_decoder_costs, layer_spans, parse_split
 from titan.runtime.contract.checks import ArtifactCheckError
 from titan.runtime.contract.pipeline_schedule import Action, PipelineSchedule
@@ -41,6 +41,22 @@ def test_each_ranks_compute_order_is_torch_pipelinings(schedule, stages, microba
         shifted = [Action.parse(a, "torch") for a in theirs[stages - 1]]
         theirs[stages - 1] = [str(Action(a.stage, a.kind, a.microbatch - (a.kind == "F"))) for a in shifted]
     assert ours == theirs
+
+
+@pytest.mark.parametrize("pp, per_rank, microbatches", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 5), (4, 2, 4),
+                                                        (4, 2, 6), (4, 3, 12), (8, 2, 16)])
+def test_each_ranks_interleaved_order_is_torch_pipelinings(pp, per_rank, microbatches):
+    record = pipeline_schedule("interleaved-1f1b", spans=layer_spans((1,) * (pp * per_rank)),
+                               microbatches=microbatches, stages_per_rank=per_rank)
+    rounds, per_round = interleaved_rounds(pp, microbatches)
+    # The schedule's own generator, for each rank (it reads these attributes of the schedule).
+    state = SimpleNamespace(n_local_stages=per_rank, pp_group_size=pp, _n_microbatches=microbatches,
+                            number_of_rounds=rounds, microbatches_per_round=per_round)
+    for rank in range(pp):
+        theirs = [str(a) for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(state, rank)
+                  if a is not None]
+        assert [str(a) for a in record.actions[rank] if a.kind in ("F", "B")] == theirs
+        assert {a.stage for a in record.actions[rank]} == set(range(rank, pp * per_rank, pp))
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 4), (4, 8)])
