@@ -3,8 +3,9 @@ one per rank, torchrun style).
 
     python pipeline_worker.py OUT --case SCHEDULE:MICROBATCHES:SPLIT [--case ...] --steps S
 
-e.g. `--case gpipe:3:3,1`: GPipe, 3 micro-batches, 3 layers on stage 0 and 1 on stage 1. Each case
-runs in turn in the same processes (one start-up for all).
+e.g. `--case gpipe:3:3,1`: GPipe, 3 micro-batches, 3 layers on stage 0 and 1 on stage 1;
+`--case interleaved-1f1b:4:1,1,1,1` on 2 ranks: two stages per rank. Each case runs in turn in the
+same processes (one start-up for all).
 
 The rank builds the same seeded model, keeps its stage's layers (builder/models/decoder_stage.py:
 the first stage the embedding, the last the final norm, output and loss) and trains it three
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from titan.builder.models.decoder_stage import DecoderStage, mean_token_loss
 from titan.builder.trace.stage_trace import trace_stage
@@ -93,78 +94,96 @@ def main() -> None:
 def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: int) -> None:
     rank, pp = dist.get_rank(), dist.get_world_size()
     spans = layer_spans(tuple(int(c) for c in split.split(",")))
-    record = pipeline_schedule(schedule, spans=spans, microbatches=microbatches)
-    first, last = rank == 0, rank == pp - 1
+    n = len(spans)
+    record = pipeline_schedule(schedule, spans=spans, microbatches=microbatches, stages_per_rank=n // pp)
+    local = [s for s in range(n) if record.stage_rank[s] == rank]
 
     torch.manual_seed(0)
     # The debug flavor, narrower (the stages' arithmetic is not what this checks) and deep enough.
     cfg = dataclasses.replace(FLAVORS["debug"], n_layers=spans[-1][1], dim=64, n_heads=4, n_kv_heads=2, vocab_size=512)
     model = Llama3(cfg)
-    ours = DecoderStage(model, *spans[rank], first=first, last=last)
+    ours = {s: DecoderStage(model, *spans[s], first=s == 0, last=s == n - 1) for s in local}
     theirs, graphs = copy.deepcopy(ours), copy.deepcopy(ours)
-    # This rank's stage program, traced from the stage on the meta device, written and read back.
+    # This rank's stage programs, traced from the stages on the meta device, written and read back.
     with torch.device("meta"):
-        traced = DecoderStage(Llama3(cfg), *spans[rank], first=first, last=last)
-    program = trace_stage(traced, inputs=(("tokens",) if first else ("activations",)) + (("labels",) if last else ()),
-                          micro_batch=(MICROBATCH_ROWS, SEQ), dim=cfg.dim)
-    forward, backward = (load_graph(blob, device=torch.device("cpu"), groups={})
-                         for blob in (program.forward, program.backward))
-    graph_params = dict(graphs.named_parameters())
+        meta_model = Llama3(cfg)
+    programs = {}
+    for s in local:
+        traced = DecoderStage(meta_model, *spans[s], first=s == 0, last=s == n - 1)
+        program = trace_stage(traced, inputs=(("tokens",) if s == 0 else ("activations",))
+                              + (("labels",) if s == n - 1 else ()), micro_batch=(MICROBATCH_ROWS, SEQ), dim=cfg.dim)
+        programs[s] = (program, *(load_graph(blob, device=torch.device("cpu"), groups={})
+                                  for blob in (program.forward, program.backward)))
     batch_rows = MICROBATCH_ROWS * microbatches
     data = [torch.randint(0, model.cfg.vocab_size, (2, batch_rows, SEQ), generator=torch.Generator().manual_seed(s))
             for s in range(steps)]
 
-    # The order torch's schedule runs this stage's forwards and backwards in its second step (the
-    # first also runs the stage once to infer shapes; its IR for 1F1B's last stage is off by one:
+    # The order torch's schedule runs this rank's forwards and backwards in its second step (the
+    # first also runs each stage once to infer shapes; its IR for 1F1B's last stage is off by one:
     # tests/unit/test_pipeline_schedule.py).
     order: list[str] = []
     recording = [False]
 
-    def log_forward(module, inputs, output):
-        if not recording[0]:
-            return
-        m = sum(a.startswith("F") for a in order)
-        order.append(f"F{m}")
-        output.register_hook(lambda grad: order.append(f"B{sum(a.startswith('B') for a in order)}"))
+    def log_forward(stage_index: int):
+        def hook(module, inputs, output):
+            if not recording[0]:
+                return
+            m = sum(a.startswith(f"{stage_index}F") for a in order)
+            order.append(f"{stage_index}F{m}")
+            output.register_hook(lambda grad: order.append(
+                f"{stage_index}B{sum(a.startswith(f'{stage_index}B') for a in order)}"))
+        return hook
 
-    theirs.register_forward_hook(log_forward)
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    stage = PipelineStage(theirs, rank, pp, torch.device("cpu"))
-    reference = schedule_class(stage, n_microbatches=microbatches, loss_fn=mean_token_loss)
+    for s, module in theirs.items():
+        module.register_forward_hook(log_forward(s))
+    torch_stages = [PipelineStage(theirs[s], s, n, torch.device("cpu")) for s in local]
+    if schedule == "interleaved-1f1b":
+        reference = ScheduleInterleaved1F1B(torch_stages, n_microbatches=microbatches, loss_fn=mean_token_loss)
+    else:
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        reference = schedule_class(torch_stages[0], n_microbatches=microbatches, loss_fn=mean_token_loss)
     results = {}
-    for name, module in (("torch", theirs), ("titan", ours), ("graph", graphs)):
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=False)
+    for name, modules in (("torch", theirs), ("titan", ours), ("graph", graphs)):
+        params = [p for s in local for p in modules[s].parameters()]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, foreach=False)
         for step, (tokens, labels) in enumerate(data):
             optimizer.zero_grad(set_to_none=True)
             if name == "torch":
                 recording[0] = step == 1
                 losses: list = []
-                if first:
-                    reference.step(tokens)
+                if 0 in local:
+                    reference.step(tokens, target=labels if n - 1 in local else None, losses=losses)
                 else:
                     reference.step(target=labels, losses=losses)
             else:
-                if name == "titan":
-                    runner = EagerStage(module, first=first, last=last, tokens=tokens, labels=labels,
-                                        microbatches=microbatches, dim=cfg.dim)
-                else:
-                    runner = GraphStage(forward=forward, backward=backward,
-                                        params=[graph_params[n] for n in program.params], inputs=program.inputs,
-                                        tokens=tokens.chunk(microbatches), labels=labels.chunk(microbatches),
-                                        activation_shape=(MICROBATCH_ROWS, SEQ, cfg.dim), dtype=torch.float32)
-                run_pipeline_step(record, pp_rank=rank, stages={rank: runner},
+                runners = {s: runner(name, modules[s], programs[s], first=s == 0, last=s == n - 1, tokens=tokens,
+                                     labels=labels, microbatches=microbatches, dim=cfg.dim) for s in local}
+                run_pipeline_step(record, pp_rank=rank, stages=runners,
                                   global_rank=lambda p: Layout(pp=pp).pipeline_peer(rank, p))
-                for p in module.parameters():  # the mean over micro-batches, as torch's scale_grads
+                for p in params:  # the mean over micro-batches, as torch's scale_grads
                     p.grad.div_(microbatches)
-                losses = [runner.losses[m] for m in range(microbatches)] if last else []
-            if last:
+                losses = [runners[n - 1].losses[m] for m in range(microbatches)] if n - 1 in local else []
+            if n - 1 in local:
                 results[f"{name}.loss.{step}"] = torch.stack(losses)
             optimizer.step()
-        results.update({f"{name}.param.{fqn}": p.detach().clone() for fqn, p in module.named_parameters()})
+        results.update({f"{name}.param.{fqn}": p.detach().clone() for s in local
+                        for fqn, p in modules[s].named_parameters()})
     save_file(results, out / f"rank{rank}.safetensors")
     ran = [a for a in record.actions[rank] if a.kind in ("F", "B")]
-    (out / f"rank{rank}.json").write_text(json.dumps({"torch": order,
-                                                           "titan": [f"{a.kind}{a.microbatch}" for a in ran]}))
+    (out / f"rank{rank}.json").write_text(json.dumps({"torch": order, "titan": [str(a) for a in ran]}))
+
+
+def runner(mode: str, module: DecoderStage, program, *, first: bool, last: bool, tokens, labels, microbatches: int,
+           dim: int):
+    """The stage as titan's executor runs it: the eager module ("titan") or its program ("graph")."""
+    if mode == "titan":
+        return EagerStage(module, first=first, last=last, tokens=tokens, labels=labels, microbatches=microbatches,
+                          dim=dim)
+    stage_program, forward, backward = program
+    named = dict(module.named_parameters())
+    return GraphStage(forward=forward, backward=backward, params=[named[p] for p in stage_program.params],
+                      inputs=stage_program.inputs, tokens=tokens.chunk(microbatches), labels=labels.chunk(microbatches),
+                      activation_shape=(MICROBATCH_ROWS, SEQ, dim), dtype=torch.float32)
 
 
 if __name__ == "__main__":

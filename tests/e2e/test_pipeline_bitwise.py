@@ -22,8 +22,9 @@ from processes import torchrun_envs
 WORKER = Path(__file__).resolve().parents[1] / "pipeline_worker.py"
 
 
-TWO_STAGES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2")]
-"""(schedule, micro-batches, layers per stage): an uneven split and the two schedules."""
+TWO_STAGES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2"), ("interleaved-1f1b", 4, "1,1,1,1")]
+"""(schedule, micro-batches, layers per stage) on 2 ranks: an uneven split, the three schedules
+(interleaved: two stages per rank)."""
 MODES = ("titan", "graph")
 """titan's executor on eager stages, and on the stages' traced programs read back from their blobs."""
 THREE_STAGES = [("1f1b", 5, "2,1,1"), ("gpipe", 2, "1,2,1")]
@@ -43,10 +44,10 @@ def _run(tmp_path: Path, cases: list[tuple], *, ranks: int, steps: int) -> list[
             for c in range(len(cases))]
 
 
-@pytest.mark.parametrize("cases", [TWO_STAGES, pytest.param(THREE_STAGES, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("ranks, cases", [(2, TWO_STAGES), pytest.param(3, THREE_STAGES, marks=pytest.mark.slow)],
                          ids=["pp2", "pp3"])
-def test_the_executor_runs_gpipe_and_1f1b_bitwise_as_torch_pipelining_does(cases, tmp_path):
-    steps, ranks = 2, len(cases[0][2].split(","))
+def test_the_executor_runs_each_schedule_bitwise_as_torch_pipelining_does(ranks, cases, tmp_path):
+    steps = 2
     for (schedule, microbatches, split), per_rank in zip(cases, _run(tmp_path, cases, ranks=ranks, steps=steps)):
         for rank, result in enumerate(per_rank):
             assert result["order"]["titan"] == result["order"]["torch"], f"{schedule}: rank {rank} runs in another order"
