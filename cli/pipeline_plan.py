@@ -29,6 +29,14 @@ def show_pipeline_plan(spec: BuildSpec, *, plan_only: bool) -> None:
         params = costs.stage_params(a, b, first=s == 0, last=s == record.n_stages - 1)
         click.echo(f"  stage {s}: {params / 1e9:.3g} B parameters, {params * PARAM_STATE_BYTES / shards / GIB:.2f} GiB "
                    f"per rank; {record.in_flight(s)} micro-batches in flight")
+    if record.n_stages > layout.pp:  # several stages per rank: what each rank holds of them together
+        for r in range(layout.pp):
+            stages = [s for s in range(record.n_stages) if record.stage_rank[s] == r]
+            params = sum(costs.stage_params(*record.stage_layers[s], first=s == 0, last=s == record.n_stages - 1)
+                         for s in stages)
+            click.echo(f"  pp rank {r} (stages {', '.join(map(str, stages))}): "
+                       f"{params * PARAM_STATE_BYTES / shards / GIB:.2f} GiB per rank; at most "
+                       f"{record.rank_in_flight(r)} stage micro-batches in flight")
     if not plan_only:
         raise ValueError(f"--pp {layout.pp}: stage programs are not built yet (the split and schedule above are "
                          "checked; --pp-plan shows them without this error); build with --pp 1")

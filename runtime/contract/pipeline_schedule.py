@@ -200,6 +200,16 @@ class PipelineSchedule:
                 peak = max(peak, held)
         return peak
 
+    def rank_in_flight(self, rank: int) -> int:
+        """The most (stage, micro-batch) forwards on pp rank `rank` whose backward has not run:
+        with several stages per rank, the activations the rank holds at its peak, in stage-micro-batches."""
+        held = peak = 0
+        for a in self.actions[rank]:
+            if a.kind in COMPUTE:
+                held += 1 if a.kind == "F" else -1
+                peak = max(peak, held)
+        return peak
+
     def table(self) -> list[str]:
         """One line per pipeline rank: its stages and actions (titan-show)."""
         lines = [f"{self.schedule}, {self.microbatches} micro-batches, {self.n_stages} stages"]

@@ -65,6 +65,17 @@ def test_micro_batches_in_flight_are_all_of_them_in_gpipe_and_the_stages_ahead_i
     gpipe, one_f_one_b = (pipeline_schedule(s, spans=spans, microbatches=microbatches) for s in ("gpipe", "1f1b"))
     assert [gpipe.in_flight(s) for s in range(stages)] == [microbatches] * stages
     assert [one_f_one_b.in_flight(s) for s in range(stages)] == [min(stages - s, microbatches) for s in range(stages)]
+    assert [one_f_one_b.rank_in_flight(r) for r in range(stages)] == [one_f_one_b.in_flight(s) for s in range(stages)]
+    # Interleaved, two stages per rank: a rank holds at least what its fullest stage does at its
+    # peak, and not more than their peaks together (they peak at different times).
+    interleaved = pipeline_schedule("interleaved-1f1b", spans=layer_spans((1,) * 2 * stages), microbatches=microbatches,
+                                    stages_per_rank=2)
+    for r in range(stages):
+        peaks = [interleaved.in_flight(r), interleaved.in_flight(r + stages)]
+        assert max(peaks) <= interleaved.rank_in_flight(r) <= sum(peaks)
+    if (stages, microbatches) == (2, 4):
+        # Rank 0 runs 0F0 0F1 2F0 2F1 0F2 before 2B0 comes back: 5 held.
+        assert [interleaved.rank_in_flight(r) for r in range(2)] == [5, 3]
 
 
 def test_a_record_reads_back_what_was_written():
