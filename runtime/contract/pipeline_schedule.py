@@ -118,6 +118,11 @@ class PipelineSchedule:
         if stop != n_layers:
             fail(where, f"the stages hold {stop} layers, the model has {n_layers}")
         last = self.n_stages - 1
+        # What a complete step needs is bounded as the record is, before any set of it is made.
+        needed = self.microbatches * sum(len(_kinds(s, last)) for s in range(self.n_stages))
+        if needed > MAX_ACTIONS:
+            fail(where, f"{self.n_stages} stages x {self.microbatches} micro-batches need {needed:,} actions, more than "
+                        f"{MAX_ACTIONS:,}")
         for r, rank in enumerate(self.actions):
             seen: set[tuple[str, int, int]] = set()
             for a in rank:

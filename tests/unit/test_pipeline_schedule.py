@@ -127,6 +127,13 @@ def _refused(record: dict, message: str) -> None:
     assert "\n" not in str(info.value) and str(info.value).endswith("rebuild the artifact with titan-build")
 
 
+def test_a_short_record_claiming_a_huge_step_is_refused_before_its_sets_are_made():
+    d = pipeline_schedule("gpipe", spans=layer_spans((1,) * 200), microbatches=1).to_json()
+    d["microbatches"] = 4096
+    with pytest.raises(ArtifactCheckError, match="200 stages x 4096 micro-batches need 4,898,816 actions"):
+        PipelineSchedule.from_json(d, "pipeline", n_layers=200, pp=200)
+
+
 def test_a_rank_that_receives_in_another_order_than_its_peer_sends_is_refused():
     # Causal and deadlock-free with tagged messages, but NCCL matches messages by order alone.
     def take_micro_batch_1_first(d):
