@@ -118,6 +118,10 @@ class PipelineSchedule:
         if stop != n_layers:
             fail(where, f"the stages hold {stop} layers, the model has {n_layers}")
         last = self.n_stages - 1
+        for s in range(last):
+            if self.stage_rank[s] == self.stage_rank[s + 1]:
+                fail(where, f"stages {s} and {s + 1} are both on pp rank {self.stage_rank[s]}; neighbouring stages "
+                            "exchange activations, so they must be on different ranks")
         # What a complete step needs is bounded as the record is, before any set of it is made.
         needed = self.microbatches * sum(len(_kinds(s, last)) for s in range(self.n_stages))
         if needed > MAX_ACTIONS:

@@ -116,6 +116,7 @@ def _swap(actions: list, a: str, b: str) -> None:
     (lambda d: d["actions"].append([]), "one list per pipeline rank"),
     (lambda d: d["actions"][0].extend(["0F0"] * (1 << 20)), "more than"),
     (lambda d: d.pop("stage_rank"), "needs exactly"),
+    (lambda d: d.__setitem__("stage_rank", [1, 1]), "both on pp rank 1"),
 ])
 def test_a_record_titan_build_would_not_write_is_one_line(change, message):
     _refused(_mutated(change), message)
