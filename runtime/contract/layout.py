@@ -55,12 +55,14 @@ class Layout:
         return tuple((name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's coordinate along each mesh dimension (row-major, tp innermost)."""
+        """This rank's coordinate along each mesh dimension (row-major, tp innermost). Without a
+        pipeline there is no `pp` coordinate: the rank records (and the trace cache keys made of
+        them) of every build without --pp stay what they were before pp existed."""
         coords = {}
         for name in reversed(MESH_DIMS):
             coords[name] = rank % getattr(self, name)
             rank //= getattr(self, name)
-        return {name: coords[name] for name in MESH_DIMS}
+        return {name: coords[name] for name in MESH_DIMS if name != "pp" or self.pp > 1}
 
     def dp_rank(self, coords: dict[str, int]) -> int:
         """Which slice of the global batch the rank at `coords` reads."""
