@@ -4,7 +4,9 @@
 Compute actions call the rank's stages (anything with the StageRunner methods: a stage program,
 or the eager stages of a test). Each run of consecutive transfers is posted as one
 torch.distributed.batch_isend_irecv; the receives are waited for at once (the compute after
-them reads their tensors), the sends only at the end of the step. So a rank never waits on a
+them reads their tensors), the sends only at the end of the step (where a backend coalesces a
+batch into one request, as NCCL does, a batch with a receive is waited for whole: its
+transfers progress together). So a rank never waits on a
 send, and a receive waits only for a send its peer posts without waiting: the schedule's check
 (run at build and at load) proves that every rank then reaches its end. Every message carries a
 tag naming its stage, micro-batch and direction (gloo matches by tag; NCCL by order, which the
@@ -48,11 +50,11 @@ def _tag(schedule: PipelineSchedule, a: Action) -> int:
 
 def run_pipeline_step(schedule: PipelineSchedule, *, pp_rank: int, stages: Mapping[int, StageRunner],
                       global_rank: Callable[[int], int], group=None) -> None:
-    """Run pp rank `pp_rank`'s actions for one step. `global_rank(p)`: the process-group rank of
-    pp coordinate p among the ranks that share this rank's other coordinates."""
+    """Run pp rank `pp_rank`'s actions for one step. `global_rank(p)`: the rank in `group` (default:
+    the world) at pp coordinate p with this rank's other coordinates (Layout.pipeline_peer)."""
     received: dict[tuple[str, int, int], torch.Tensor] = {}  # (RECV_F / RECV_B, stage, micro-batch) -> tensor
     to_send: dict[tuple[str, int, int], torch.Tensor] = {}  # (SEND_F / SEND_B, stage, micro-batch) -> tensor
-    sends_in_flight = []
+    sends_in_flight, sent = [], []
     actions = schedule.actions[pp_rank]
     i = 0
     while i < len(actions):
@@ -62,6 +64,7 @@ def run_pipeline_step(schedule: PipelineSchedule, *, pp_rank: int, stages: Mappi
             key = (a.kind, a.stage, a.microbatch)
             if a.kind.startswith("SEND"):
                 tensor = to_send.pop(key)
+                sent.append(tensor)  # alive until its send completes, whatever the backend's request holds
                 ops.append(dist.P2POp(dist.isend, tensor, global_rank(schedule.peer(a)), group, _tag(schedule, a)))
             else:
                 stage = stages[a.stage]
@@ -71,9 +74,14 @@ def run_pipeline_step(schedule: PipelineSchedule, *, pp_rank: int, stages: Mappi
             i += 1
         if ops:
             works = dist.batch_isend_irecv(ops)
-            for op, work in zip(ops, works):
-                (sends_in_flight if op.op is dist.isend else recv_works).append((op, work))
-            for _, work in recv_works:
+            if len(works) == len(ops):  # one request per transfer (gloo)
+                for op, work in zip(ops, works):
+                    (sends_in_flight if op.op is dist.isend else recv_works).append(work)
+            elif any(op.op is dist.irecv for op in ops):  # coalesced (NCCL): done when all its transfers are
+                recv_works += works
+            else:
+                sends_in_flight += works
+            for work in recv_works:
                 work.wait()
         if i == len(actions):
             break
@@ -88,6 +96,6 @@ def run_pipeline_step(schedule: PipelineSchedule, *, pp_rank: int, stages: Mappi
             if grad is not None:
                 to_send[("SEND_B", a.stage, a.microbatch)] = grad
         i += 1
-    for _, work in sends_in_flight:  # the tensors stay referenced by their ops until sent
+    for work in sends_in_flight:
         work.wait()
     assert not to_send and not received, "the schedule's check guarantees every tensor is consumed"
