@@ -1,11 +1,12 @@
 """One pp rank of a Llama 3 debug pipeline over gloo (tests/e2e/test_pipeline_bitwise.py starts
 one per rank, torchrun style).
 
-    python pipeline_worker.py OUT --case SCHEDULE:MICROBATCHES:SPLIT [--case ...] --steps S
+    python pipeline_worker.py OUT --case SCHEDULE:MICROBATCHES:SPLIT [--case ...] --steps S [--dp N]
 
 e.g. `--case gpipe:3:3,1`: GPipe, 3 micro-batches, 3 layers on stage 0 and 1 on stage 1;
 `--case interleaved-1f1b:4:1,1,1,1` on 2 ranks: two stages per rank. Each case runs in turn in the
-same processes (one start-up for all).
+same processes (one start-up for all). With --dp N, the world holds N pipelines (pp outermost)
+reading their own rows of each batch, their gradients averaged over the pipelines.
 
 The rank builds the same seeded model, keeps its stage's layers (builder/models/decoder_stage.py:
 the first stage the embedding, the last the final norm, output and loss) and trains it three
@@ -81,18 +82,37 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--case", action="append", required=True, help="SCHEDULE:MICROBATCHES:SPLIT")
     parser.add_argument("--steps", type=int, default=3, help="at least 2")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel pipelines (pp x dp ranks, pp outermost)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    layout = Layout(pp=dist.get_world_size() // args.dp, dp_replicate=args.dp)
+    # Every rank creates every group, in the same order: one pipeline per data-parallel
+    # coordinate (torch's stages talk within it) and one data-parallel group per stage.
+    pipelines = [dist.new_group([layout.pipeline_peer(d, p) for p in range(layout.pp)]) for d in range(args.dp)]
+    replicas = [dist.new_group(list(range(p * args.dp, (p + 1) * args.dp))) for p in range(layout.pp)]
+    coords = layout.coordinates(dist.get_rank())
+    place = Place(layout=layout, pp_rank=coords["pp"], dp_rank=coords["dp_replicate"],
+                  pipeline=pipelines[coords["dp_replicate"]], replicas=replicas[coords["pp"]])
     for index, case in enumerate(args.case):
         schedule, microbatches, split = case.split(":")
         out = args.out / str(index)
         out.mkdir(exist_ok=True)
-        run_case(out, schedule=schedule, microbatches=int(microbatches), split=split, steps=args.steps)
+        run_case(out, place, schedule=schedule, microbatches=int(microbatches), split=split, steps=args.steps)
     dist.destroy_process_group()
 
 
-def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: int) -> None:
-    rank, pp = dist.get_rank(), dist.get_world_size()
+@dataclasses.dataclass
+class Place:
+    """This process's place: its pipeline coordinate and pipeline, its data-parallel replicas."""
+    layout: Layout
+    pp_rank: int
+    dp_rank: int
+    pipeline: object
+    replicas: object
+
+
+def run_case(out: Path, place: Place, *, schedule: str, microbatches: int, split: str, steps: int) -> None:
+    rank, pp, dp = place.pp_rank, place.layout.pp, place.layout.dp_replicate
     spans = layer_spans(tuple(int(c) for c in split.split(",")))
     n = len(spans)
     record = pipeline_schedule(schedule, spans=spans, microbatches=microbatches, stages_per_rank=n // pp)
@@ -115,7 +135,9 @@ def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: 
         programs[s] = (program, *(load_graph(blob, device=torch.device("cpu"), groups={})
                                   for blob in (program.forward, program.backward)))
     batch_rows = MICROBATCH_ROWS * microbatches
-    data = [torch.randint(0, model.cfg.vocab_size, (2, batch_rows, SEQ), generator=torch.Generator().manual_seed(s))
+    # Each data-parallel pipeline reads its own rows of the step's batch.
+    data = [torch.randint(0, model.cfg.vocab_size, (2, dp * batch_rows, SEQ),
+                          generator=torch.Generator().manual_seed(s))[:, place.dp_rank::dp].contiguous()
             for s in range(steps)]
 
     # The order torch's schedule runs this rank's forwards and backwards in its second step (the
@@ -136,7 +158,7 @@ def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: 
 
     for s, module in theirs.items():
         module.register_forward_hook(log_forward(s))
-    torch_stages = [PipelineStage(theirs[s], s, n, torch.device("cpu")) for s in local]
+    torch_stages = [PipelineStage(theirs[s], s, n, torch.device("cpu"), group=place.pipeline) for s in local]
     if schedule == "interleaved-1f1b":
         reference = ScheduleInterleaved1F1B(torch_stages, n_microbatches=microbatches, loss_fn=mean_token_loss)
     else:
@@ -159,18 +181,22 @@ def run_case(out: Path, *, schedule: str, microbatches: int, split: str, steps: 
                 runners = {s: runner(name, modules[s], programs[s], first=s == 0, last=s == n - 1, tokens=tokens,
                                      labels=labels, microbatches=microbatches, dim=cfg.dim) for s in local}
                 run_pipeline_step(record, pp_rank=rank, stages=runners,
-                                  global_rank=lambda p: Layout(pp=pp).pipeline_peer(rank, p))
+                                  global_rank=lambda p: place.layout.pipeline_peer(dist.get_rank(), p))
                 for p in params:  # the mean over micro-batches, as torch's scale_grads
                     p.grad.div_(microbatches)
                 losses = [runners[n - 1].losses[m] for m in range(microbatches)] if n - 1 in local else []
+            if dp > 1:  # the mean over the data-parallel pipelines, for every mode alike
+                for p in params:
+                    dist.all_reduce(p.grad, group=place.replicas)
+                    p.grad.div_(dp)
             if n - 1 in local:
                 results[f"{name}.loss.{step}"] = torch.stack(losses)
             optimizer.step()
         results.update({f"{name}.param.{fqn}": p.detach().clone() for s in local
                         for fqn, p in modules[s].named_parameters()})
-    save_file(results, out / f"rank{rank}.safetensors")
+    save_file(results, out / f"rank{dist.get_rank()}.safetensors")
     ran = [a for a in record.actions[rank] if a.kind in ("F", "B")]
-    (out / f"rank{rank}.json").write_text(json.dumps({"torch": order, "titan": [str(a) for a in ran]}))
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"torch": order, "titan": [str(a) for a in ran]}))
 
 
 def runner(mode: str, module: DecoderStage, program, *, first: bool, last: bool, tokens, labels, microbatches: int,

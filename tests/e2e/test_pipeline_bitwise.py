@@ -31,9 +31,9 @@ THREE_STAGES = [("1f1b", 5, "2,1,1"), ("gpipe", 2, "1,2,1")]
 """A middle stage, which receives and sends both ways; more micro-batches than stages, and fewer."""
 
 
-def _run(tmp_path: Path, cases: list[tuple], *, ranks: int, steps: int) -> list[list[dict]]:
+def _run(tmp_path: Path, cases: list[tuple], *, ranks: int, steps: int, dp: int = 1) -> list[list[dict]]:
     """Per case, per rank: the worker's results."""
-    args = [arg for case in cases for arg in ("--case", ":".join(map(str, case)))]
+    args = [arg for case in cases for arg in ("--case", ":".join(map(str, case)))] + ["--dp", str(dp)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), *args, "--steps", str(steps)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for env in torchrun_envs(ranks)]
@@ -44,11 +44,15 @@ def _run(tmp_path: Path, cases: list[tuple], *, ranks: int, steps: int) -> list[
             for c in range(len(cases))]
 
 
-@pytest.mark.parametrize("ranks, cases", [(2, TWO_STAGES), pytest.param(3, THREE_STAGES, marks=pytest.mark.slow)],
-                         ids=["pp2", "pp3"])
-def test_the_executor_runs_each_schedule_bitwise_as_torch_pipelining_does(ranks, cases, tmp_path):
+@pytest.mark.parametrize("ranks, dp, cases", [
+    (2, 1, TWO_STAGES),
+    pytest.param(3, 1, THREE_STAGES, marks=pytest.mark.slow),
+    # Two pipelines side by side (pp 2 x dp-replicate 2): each rank's peers are in its own pipeline.
+    pytest.param(4, 2, [("1f1b", 2, "2,2")], marks=pytest.mark.slow),
+], ids=["pp2", "pp3", "pp2-dp2"])
+def test_the_executor_runs_each_schedule_bitwise_as_torch_pipelining_does(ranks, dp, cases, tmp_path):
     steps = 2
-    for (schedule, microbatches, split), per_rank in zip(cases, _run(tmp_path, cases, ranks=ranks, steps=steps)):
+    for (schedule, microbatches, split), per_rank in zip(cases, _run(tmp_path, cases, ranks=ranks, steps=steps, dp=dp)):
         for rank, result in enumerate(per_rank):
             assert result["order"]["titan"] == result["order"]["torch"], f"{schedule}: rank {rank} runs in another order"
             params = [k.removeprefix("torch.param.") for k in result if k.startswith("torch.param.")]
