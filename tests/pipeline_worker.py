@@ -23,6 +23,7 @@ import argparse
 import copy
 import dataclasses
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -84,7 +85,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="at least 2")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel pipelines (pp x dp ranks, pp outermost)")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    # A transfer that never comes (a wrong peer, a deadlock) fails the test in a minute, not hangs it.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     layout = Layout(pp=dist.get_world_size() // args.dp, dp_replicate=args.dp)
     # Every rank creates every group, in the same order: one pipeline per data-parallel
     # coordinate (torch's stages talk within it) and one data-parallel group per stage.
