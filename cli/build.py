@@ -62,7 +62,13 @@ def main(shape_args, **values):
                      dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse, attention=cfg.attention, mask=cfg.mask,
                      eos_id=cfg.eos_id,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape,
-                     moe_capacity=cfg.moe_capacity, moe_drop=cfg.moe_drop)
+                     moe_capacity=cfg.moe_capacity, moe_drop=cfg.moe_drop, pp=cfg.pp,
+                     microbatches=cfg.microbatches, pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split,
+                     pp_stages_per_rank=cfg.pp_stages_per_rank)
+    if spec.pipeline is not None or cfg.pp_plan:
+        from titan.cli.pipeline_plan import show_pipeline_plan
+        show_pipeline_plan(spec, plan_only=cfg.pp_plan)
+        return
     out = out or Path("artifacts") / spec.name
     lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work
     if not replace:

@@ -27,6 +27,18 @@ class BuildConfig:
     """Replicated data-parallel degree."""
     ep: int = setting(1, check="positive")
     """Expert-parallel degree (mixture-of-experts models): routed experts split over this many ranks, which are data parallel for everything else."""
+    pp: int = setting(1, check="positive")
+    """Pipeline-parallel degree: the layers split into this many stages, one per pp coordinate (llama3, with --dp-shard and --tp)."""
+    microbatches: int | None = setting(None, check="positive")
+    """Micro-batches per step with --pp, each of --batch-size sequences (default: --pp)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] | None = None
+    """Pipeline schedule with --pp: gpipe (all forwards, then all backwards), 1f1b (default: at most pp - s micro-batches in flight on stage s) or interleaved-1f1b (several stages per rank: a smaller bubble)."""
+    pp_stages_per_rank: int | None = setting(None, check="positive")
+    """Stages per pp rank with --pp-schedule interleaved-1f1b (default 2); rank r holds stages r, r + pp, ..."""
+    pp_split: str | None = None
+    """Transformer blocks per pipeline stage, comma-separated, e.g. 3,1 (default: balanced by cost, the embedding and the output counted)."""
+    pp_plan: bool = False
+    """Print the pipeline's stage split and each pp rank's actions, and exit (nothing is traced)."""
     batch_size: int | None = setting(None, check="positive")
     """Sequences per data-parallel rank in one micro-batch (default: 2 debug, 1 otherwise)."""
     seq_len: int | None = setting(None, check="seq_len")

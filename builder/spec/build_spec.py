@@ -16,6 +16,7 @@ from titan.builder.models.attention import attention_overrides, attention_tags
 from titan.builder.models.shape import apply_shape, shape_tags
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes.registry import check_passes, default_passes
+from titan.builder.spec.pipeline_spec import PipelineSpec, make_pipeline
 from titan.runtime.contract.layout import Layout
 
 # Batch shape defaults: small for the CPU-sized flavors, Llama-3 pretraining shape otherwise.
@@ -52,6 +53,8 @@ class BuildSpec:
     shape: tuple[tuple[str, int | float], ...] = ()
     """Dimensions set on top of the flavor (field, value), checked by make_spec
     (builder/models/shape.py); part of the model config and of the artifact's name."""
+    pipeline: PipelineSpec | None = None
+    """With --pp > 1: the schedule, micro-batches and stage split (builder/spec/pipeline_spec.py)."""
     attention: tuple[tuple[str, Any], ...] = ()
     """The attention choice's config fields that differ from SDPA causal (field, value),
     checked by builder/models/attention.py; part of the model config and of the artifact's name."""
@@ -91,7 +94,8 @@ class BuildSpec:
         that two different builds never share a default directory."""
         flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
         return "-".join([f"{self.model}{flavor}", *shape_tags(dict(self.shape)), self.layout.tag(),
-                         *attention_tags(self.cfg.as_dict()), *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
+                         *attention_tags(self.cfg.as_dict()), *(self.pipeline.tags() if self.pipeline else []),
+                         *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
                                               batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
                                               ac=self.ac, passes=self.passes,
                                               exact_fusion=self.model_spec.exact_fusion),
@@ -157,16 +161,18 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
               fuse: str | None = None, shape: Mapping[str, Any] | None = None, attention: str = "sdpa",
               mask: str = "causal", eos_id: int | None = None, moe_capacity: float | None = None,
-              moe_drop: bool = False) -> BuildSpec:
+              moe_drop: bool = False, pp: int = 1, microbatches: int | None = None, pp_schedule: str | None = None,
+              pp_split: str | None = None, pp_stages_per_rank: int | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it.
-    `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py)."""
+    `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py);
+    `pp` and the pipeline options: builder/spec/pipeline_spec.py."""
     family = model_spec(model)
     flavor = flavor or family.default_flavor
     if flavor not in family.flavors:
         raise ValueError(f"unknown flavor {flavor!r} for {model}; available: {', '.join(family.flavors)}")
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
-    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
+    layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
     shaped = apply_shape(family, family.flavors[flavor], shape or {})
     check_layout(family, shaped, layout)
     chosen = attention_overrides(shaped, model=model, attention=attention, mask=mask, eos_id=eos_id)
@@ -194,8 +200,10 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         passes = tuple(p for p in passes if p != "fuse_exact") + (f"fuse_{fuse}",)
     check_passes(passes, sizes)
     check_capacity(family, shaped, moe_capacity, moe_drop)
+    pipeline = make_pipeline(model=model, cfg=shaped, layout=layout, seq_len=seq_len, schedule=pp_schedule,
+                             microbatches=microbatches, split=pp_split, stages_per_rank=pp_stages_per_rank)
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
-                     partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac,
+                     partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac, pipeline=pipeline,
                      shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})),
                      attention=tuple(sorted(chosen.items())),
                      # One spelling of a factor (2 from a config file, 2.0 from the flag): one cache key.

@@ -25,11 +25,13 @@ def builder_version() -> str:
 
 
 def build_factors(spec) -> dict:
-    """Factor name -> value for a BuildSpec. Names are what --explain prints. A MoE capacity is
-    a factor only when set: a dropless build keeps the key it always had."""
+    """Factor name -> value for a BuildSpec. Names are what --explain prints. A MoE capacity and
+    a pipeline's choices are factors only where they are set: other builds keep the keys they
+    always had."""
     capacity = {} if spec.moe_capacity is None else {
         "moe capacity": {"factor": spec.moe_capacity, "overflow": "drop" if spec.moe_drop else "redo dropless"}}
-    return capacity | {
+    pipeline = {"pipeline": spec.pipeline.factor()} if spec.pipeline else {}
+    return pipeline | capacity | {
         "model": spec.model,
         "flavor": spec.flavor,
         "model config": spec.cfg.as_dict(),

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
-"""Outermost first, as torchtitan orders them; a rank's coordinates are row-major, tp innermost."""
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+"""Outermost first, as torchtitan orders them (pipeline stages outermost: stage-to-stage traffic
+is the lightest); a rank's coordinates are row-major, tp innermost."""
 DP_DIMS = ("dp_replicate", "dp_shard", "ep")
 """The data-parallel dimensions: each coordinate on them reads its own slice of the batch (the
 expert-parallel ranks are carved from the data-parallel ones: they route their own tokens)."""
@@ -19,6 +20,9 @@ expert-parallel ranks are carved from the data-parallel ones: they route their o
 
 @dataclass(kw_only=True, frozen=True)
 class Layout:
+    pp: int = 1
+    """Pipeline-parallel degree: the model's layers split into this many stages, one per coordinate
+    (runtime/contract/pipeline_schedule.py)."""
     dp_replicate: int = 1
     """Plain data-parallel replicas (with dp_shard > 1: HSDP)."""
     dp_shard: int = 1
@@ -31,15 +35,15 @@ class Layout:
 
     @staticmethod
     def from_dict(sizes: dict[str, int]) -> Layout:
-        """From a manifest's `layout` ({dimension: size})."""
-        return Layout(**{name: sizes[name] for name in MESH_DIMS})
+        """From a manifest's `layout` ({dimension: size}); one written before `pp` existed has none."""
+        return Layout(**{name: sizes.get(name, 1) if name == "pp" else sizes[name] for name in MESH_DIMS})
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.ep * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.ep * self.tp
 
     @property
     def dp_degree(self) -> int:
@@ -51,17 +55,25 @@ class Layout:
         return tuple((name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's coordinate along each mesh dimension (row-major, tp innermost)."""
+        """This rank's coordinate along each mesh dimension (row-major, tp innermost). Without a
+        pipeline there is no `pp` coordinate: the rank records (and the trace cache keys made of
+        them) of every build without --pp stay what they were before pp existed."""
         coords = {}
         for name in reversed(MESH_DIMS):
             coords[name] = rank % getattr(self, name)
             rank //= getattr(self, name)
-        return {name: coords[name] for name in MESH_DIMS}
+        return {name: coords[name] for name in MESH_DIMS if name != "pp" or self.pp > 1}
 
     def dp_rank(self, coords: dict[str, int]) -> int:
         """Which slice of the global batch the rank at `coords` reads."""
         return ((coords.get("dp_replicate", 0) * self.dp_shard + coords.get("dp_shard", 0)) * self.ep
                 + coords.get("ep", 0))
+
+    def pipeline_peer(self, rank: int, pp_coord: int) -> int:
+        """The rank at pipeline coordinate `pp_coord` whose other coordinates are `rank`'s: where
+        `rank`'s stage sends activations and gradients (pp outermost: a block of ranks per stage)."""
+        per_stage = self.world_size // self.pp
+        return pp_coord * per_stage + rank % per_stage
 
     def tag(self) -> str:
         """'tp2', 'dp-shard2-tp2', ... ('single' for one rank): artifact names."""

@@ -1,0 +1,51 @@
+"""One pipeline stage of a decoder (builder/models/decoder.py's Decoder): blocks [start, stop) of
+the model, with its embedding on the first stage and its final norm and output projection on the
+last. The forward takes what the stage receives (tokens on the first stage, activations on the
+others) and returns what it sends on (activations, or the last stage's logits): the module
+torch.distributed.pipelining's PipelineStage runs, and what titan traces into a stage program
+(the last stage with its labels, so with its loss)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan.builder.models.decoder import rope_tables
+
+
+def decoder_rope(cfg) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
+    """RoPE tables for a config with head_dim and rope_theta (Llama 3, Qwen3 dense), computed
+    inside the forward as the whole model's are."""
+    return lambda seq_len, device: rope_tables(seq_len, cfg.head_dim, cfg.rope_theta, device)
+
+
+class DecoderStage(nn.Module):
+    """Blocks [start, stop) of `model` (the parameters are the model's own modules: same names)."""
+
+    def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool):
+        super().__init__()
+        self.rope = decoder_rope(model.cfg)
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(start, stop)})
+        self.norm, self.output = (model.norm, model.output) if last else (None, None)
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Activations on; the last stage's logits, or with `labels` its loss (what a stage
+        program of the last stage computes)."""
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        cos, sin = self.rope(h.shape[1], h.device)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.output is None:
+            return h
+        logits = self.output(self.norm(h))
+        return logits if labels is None else mean_token_loss(logits, labels)
+
+
+def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's mean next-token loss (the loss_fn a pipeline schedule is given)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))

@@ -1,0 +1,42 @@
+"""titan-build --pp: the stage split, each stage's share of the model and its peak micro-batches
+in flight, and every pp rank's actions. Stage programs are not built yet (issue 28): a pipeline
+build prints its plan and stops with the one line that says so."""
+
+from __future__ import annotations
+
+import click
+
+from titan.builder.spec.build_spec import BuildSpec
+from titan.builder.spec.stage_split import dense_decoder_costs
+from titan.runtime.contract.memory_estimate import GIB, PARAM_STATE_BYTES
+
+
+def show_pipeline_plan(spec: BuildSpec, *, plan_only: bool) -> None:
+    if spec.pipeline is None:
+        raise ValueError("--pp-plan shows a pipeline; add --pp N (N > 1)")
+    record = spec.pipeline.schedule_record()
+    layout = spec.layout
+    click.echo(f"pipeline of {spec.model} {spec.flavor}: pp {layout.pp} x {layout.world_size // layout.pp} ranks per "
+               f"stage [{layout.tag()}], micro-batches of {spec.batch_size} x seq {spec.seq_len}")
+    for line in record.table():
+        click.echo(line)
+    click.echo("memory per rank of each stage (fp32 parameters, gradients and AdamW's two moments, sharded over "
+               "the stage's tp x dp-shard ranks; saved activations: the peak micro-batches in flight times one "
+               "micro-batch's, which the stage's trace will report):")
+    costs = dense_decoder_costs(spec.cfg, spec.seq_len)
+    shards = layout.tp * layout.dp_shard
+    for s, (a, b) in enumerate(record.stage_layers):
+        params = costs.stage_params(a, b, first=s == 0, last=s == record.n_stages - 1)
+        click.echo(f"  stage {s}: {params / 1e9:.3g} B parameters, {params * PARAM_STATE_BYTES / shards / GIB:.2f} GiB "
+                   f"per rank; {record.in_flight(s)} micro-batches in flight")
+    if record.n_stages > layout.pp:  # several stages per rank: what each rank holds of them together
+        for r in range(layout.pp):
+            stages = [s for s in range(record.n_stages) if record.stage_rank[s] == r]
+            params = sum(costs.stage_params(*record.stage_layers[s], first=s == 0, last=s == record.n_stages - 1)
+                         for s in stages)
+            click.echo(f"  pp rank {r} (stages {', '.join(map(str, stages))}): "
+                       f"{params * PARAM_STATE_BYTES / shards / GIB:.2f} GiB per rank; at most "
+                       f"{record.rank_in_flight(r)} stage micro-batches in flight")
+    if not plan_only:
+        raise ValueError(f"--pp {layout.pp}: stage programs are not built yet (the split and schedule above are "
+                         "checked; --pp-plan shows them without this error); build with --pp 1")

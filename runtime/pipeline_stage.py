@@ -1,0 +1,55 @@
+"""A pipeline stage run from its program's graphs (builder/trace/stage_trace.py): the
+StageRunner of runtime/pipeline_executor.py. Per micro-batch, the forward's saved activations are
+held until that micro-batch's backward; each backward adds its parameter gradients to the
+parameters' .grad (set on the first), as autograd accumulates them."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+
+class GraphStage:
+    def __init__(self, *, forward: fx.GraphModule, backward: fx.GraphModule, params: list[torch.Tensor],
+                 inputs: tuple[str, ...], tokens: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, ...],
+                 activation_shape: tuple[int, ...], dtype: torch.dtype):
+        """`params` in the program's order; `inputs` its input kinds (STAGE_INPUTS); `tokens` and
+        `labels` this step's micro-batches (used by the first and last stage)."""
+        self.fw, self.bw, self.params, self.inputs = forward, backward, params, inputs
+        self.tokens, self.labels = tokens, labels
+        self.activation_shape, self.dtype = activation_shape, dtype
+        self.saved: dict[int, list[torch.Tensor]] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        """The last stage's loss of each micro-batch."""
+        self.last = "labels" in inputs
+
+    def forward(self, microbatch: int, inputs: torch.Tensor | None) -> torch.Tensor | None:
+        values = {"tokens": lambda: self.tokens[microbatch], "activations": lambda: inputs,
+                  "labels": lambda: self.labels[microbatch]}
+        with torch.no_grad():
+            out, *saved = self.fw(*self.params, *(values[kind]() for kind in self.inputs))
+        self.saved[microbatch] = saved
+        if self.last:
+            self.losses[microbatch] = out
+            return None
+        return out
+
+    def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        saved = self.saved.pop(microbatch)
+        if grad_output is None:  # the last stage: the gradient of its loss
+            grad_output = torch.ones_like(self.losses[microbatch])
+        with torch.no_grad():
+            grads = self.bw(*saved, grad_output)
+            for p, g in zip(self.params, grads):
+                if p.grad is None:  # as autograd stores a first gradient: in the parameter's layout
+                    p.grad = g if g.is_contiguous() else g.contiguous()
+                else:
+                    p.grad.add_(g)
+        input_grads = grads[len(self.params):]
+        return input_grads[self.inputs.index("activations")] if "activations" in self.inputs else None
+
+    def input_buffer(self, microbatch: int) -> torch.Tensor:
+        return torch.empty(self.activation_shape, dtype=self.dtype)
+
+    def output_grad_buffer(self, microbatch: int) -> torch.Tensor:
+        return torch.empty(self.activation_shape, dtype=self.dtype)
