@@ -128,6 +128,7 @@ def _random_tokens(path: Path, n: int = 4096) -> None:
     path.write_bytes(torch.randint(0, 256, (n,), generator=g, dtype=torch.int32).to(torch.int16).numpy().tobytes())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp_shard", [2, 3])
 def test_tp_checkpoint_trains_on_fsdp_like_a_fresh_fsdp_run(dp_shard, debug_artifact, tmp_path):
     """The seeded initial weights, checkpointed by tp=2 (step 0), resumed on dp_shard=2 (or on

@@ -4,6 +4,8 @@ every binding, the metadata (trace processes and a real build)."""
 
 from __future__ import annotations
 
+import pytest
+
 import dataclasses
 
 from titan.builder.build import build
@@ -17,6 +19,7 @@ from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.graph_doc import read_doc
 
 
+@pytest.mark.slow
 def test_a_program_fitted_from_shallow_traces_equals_the_full_depth_trace(tmp_path):
     """debug widths at 7 layers, tp 2 x dp-shard 2 (vocab-shard bindings, FSDP buckets): the
     build fits 3-5 layers and checks rank 0 at 6; each probe is also traced at all 7 here, in

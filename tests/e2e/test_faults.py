@@ -4,6 +4,8 @@ and the cache survives many concurrent builders with gc running alongside."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import resource
 import signal
@@ -98,6 +100,7 @@ def test_unusable_cache_directory_is_a_clear_error(tmp_path):
     assert "cannot use cache directory" in r.stderr and "--cache-dir" in r.stderr
 
 
+@pytest.mark.slow
 def test_cache_load_32_builders_4_keys_with_gc_alongside(tmp_path):
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
     seqs = (32, 64, 96, 128)

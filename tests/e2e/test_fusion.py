@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import time
@@ -14,6 +16,7 @@ def _fusion_line(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("fusion: "))
 
 
+@pytest.mark.slow
 def test_fused_regions_compile_at_every_cpu_run_and_stay_close_to_eager(debug_artifact, tmp_path):
     # One rank: two ranks on one CPU share kernel keys and race to write them.
     art = debug_artifact(extra=("--fuse",))

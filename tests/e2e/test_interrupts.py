@@ -150,6 +150,7 @@ def _check_all(runs: list[dict], *, at_least: int) -> None:
     assert interrupted >= at_least, f"only {interrupted} instants came before the command finished"
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_instant_of_a_build(debug_artifact, tmp_path):
     delays = [0.0, 0.02, 0.05, 0.1, 0.2, 0.3] + [0.5 * i for i in range(1, 31)]  # 36 instants, 0..15 s
     hit_delays = [0.05 * i for i in range(1, 9)] + [0.5, 0.7, 1.0]  # the cache-hit path: export, rename
