@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from titan.runtime.grad_accumulation import accumulate_grads
+
 
 class GraphStage:
     def __init__(self, *, forward: fx.GraphModule, backward: fx.GraphModule, params: list[torch.Tensor],
@@ -40,11 +42,7 @@ class GraphStage:
             grad_output = torch.ones_like(self.losses[microbatch])
         with torch.no_grad():
             grads = self.bw(*saved, grad_output)
-            for p, g in zip(self.params, grads):
-                if p.grad is None:  # as autograd stores a first gradient: in the parameter's layout
-                    p.grad = g if g.is_contiguous() else g.contiguous()
-                else:
-                    p.grad.add_(g)
+            accumulate_grads(self.params, grads)
         input_grads = grads[len(self.params):]
         return input_grads[self.inputs.index("activations")] if "activations" in self.inputs else None
 

@@ -28,6 +28,7 @@ from titan.runtime.recipe import Recipe
 from titan.runtime.run_config import RunConfig
 from titan.runtime.train_loop import StepResults, Validation, train_loop
 from titan.runtime.startup import rank_phases
+from titan.runtime.grad_accumulation import accumulate_grads
 from titan.runtime.loss_only import loss_only
 from titan.runtime.step_log import StepLog
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
@@ -48,12 +49,10 @@ def make_optimizer(params: list[torch.Tensor], recipe: Recipe, device: torch.dev
     return AdamW(params, **kw)
 
 
-def eager_update(program: GraphProgram, recipe: Recipe, mesh, optimizer: AdamW) -> Callable[[], torch.Tensor]:
+def op_by_op_update(program: GraphProgram, clip: GlobalNormClip, optimizer: AdamW) -> Callable[[], torch.Tensor]:
     """The step's update, op by op: the global gradient norm of the program's parameters
     (clipping them to the recipe's max_norm), computed on the device (runtime/grad_clip.py),
     then the optimizer step."""
-    clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm)
-
     def update() -> torch.Tensor:
         norm = clip([p.grad for p in program.params])
         optimizer.step()
@@ -189,16 +188,6 @@ class GraphProgram:
         loss, grads = self.forward_backward(tokens, labels)
         accumulate_grads(self.params, grads)
         return loss
-
-
-def accumulate_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """Set each parameter's .grad to its gradient, or add to it (a later micro-batch): the sum
-    autograd's AccumulateGrad makes, in the same order."""
-    for p, g in zip(params, grads):
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad.add_(g)
 
 
 def _step_logger(cfg: RunConfig, is_rank0: bool, total: int, start: int):
@@ -358,7 +347,8 @@ def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, 
     """The program's (micro-batch step, update, validation loss) for train_loop: on a GPU unless
     disabled, each captured in a CUDA graph (the update when the optimizer is the one-kernel
     AdamW); released on exit."""
-    update = eager_update(program, recipe, mesh, optimizer)
+    clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm)
+    update = op_by_op_update(program, clip, optimizer)
     if device.type != "cuda" or not cfg.cuda_graphs:
         yield program.step, update, program.forward_loss
         return
@@ -372,8 +362,7 @@ def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, 
     captured = [step, forward_loss]
     if isinstance(optimizer, FusedAdamW):
         from titan.runtime.captured_update import CapturedUpdate
-        update = CapturedUpdate(GlobalNormClip([p.placements for p in program.specs], mesh,
-                                               max_norm=recipe.max_norm), optimizer)
+        update = CapturedUpdate(clip, optimizer)
         captured.append(update)
     try:
         yield step, update, forward_loss
