@@ -83,6 +83,8 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
     artifact carries the dropless programs as its redo programs."""
     kw = dict(cache=cache, jobs=jobs, progress=progress, on_wait=on_wait, on_give_up=on_give_up, on_miss=on_miss,
               on_stage=on_stage)
+    if spec.pipeline is not None:
+        return _pipeline_build(spec, out, **kw)
     redo = None
     if spec.moe_redo:
         said = dict(on_miss=lambda why: on_miss(f"the dropless program it carries: {why}"))
@@ -97,6 +99,41 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
                         traced=sorted({r for p in parts for r in p.traced}), traces=sum(p.traces for p in parts),
                         note="; ".join(p.entry.get("note", "") for p in parts if p.reason and p.entry.get("note")),
                         redo=redo_fields)
+
+
+def _pipeline_build(spec: BuildSpec, out: Path, *, on_miss, on_stage: Callable[[int, str], None], **kw) -> BuildOutcome:
+    """A pipeline build: each stage is a build of its own (traced, or found, in the cache), put
+    together with the schedule (builder/program/stage_programs.py). A rank the progress lines
+    name is a rank of the stage's block: stage s's rank r is global rank s' pp rank's block + r."""
+    from titan.builder.program.stage_programs import pipeline_entry
+
+    record = spec.pipeline.schedule_record()
+    per_stage = spec.layout.world_size // spec.layout.pp
+    parts = []
+    missed: list[str] = []
+
+    def first_miss(stage: int, why: str) -> None:  # one "miss" line for the build, not one per stage
+        if not missed:
+            on_miss(f"stage {stage}: {why}")
+        missed.append(why)
+
+    for stage_spec in spec.stage_builds():
+        s = stage_spec.stage.index
+        block = record.stage_rank[s] * per_stage  # a stage's ranks are named by their global rank
+        said = dict(on_miss=lambda why, s=s: first_miss(s, why),
+                    on_stage=lambda rank, name, block=block: on_stage(block + rank, name),
+                    progress=lambda res, block=block: kw["progress"](replace(res, rank=block + res.rank)))
+        parts.append(_cached_entry(stage_spec, **(kw | said)))
+    factors = build_factors(spec)
+    key = digest(factors)
+    entry = pipeline_entry(spec, [p.entry for p in parts], cache=kw["cache"], key=key,
+                           manifest=manifest_fields(spec, factors))
+    manifest = export_artifact(kw["cache"], entry, out)
+    reason = "; ".join(f"stage {i}: {p.reason}" for i, p in enumerate(parts) if p.reason)
+    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason,
+                        traced=sorted({record.stage_rank[i] * per_stage + r for i, p in enumerate(parts)
+                                       for r in p.traced}),
+                        traces=sum(p.traces for p in parts))
 
 
 @dataclass(kw_only=True)

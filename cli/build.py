@@ -65,10 +65,13 @@ def main(shape_args, **values):
                      moe_capacity=cfg.moe_capacity, moe_drop=cfg.moe_drop, pp=cfg.pp,
                      microbatches=cfg.microbatches, pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split,
                      pp_stages_per_rank=cfg.pp_stages_per_rank)
-    if spec.pipeline is not None or cfg.pp_plan:
+    if cfg.pp_plan:
         from titan.cli.pipeline_plan import show_pipeline_plan
-        show_pipeline_plan(spec, plan_only=cfg.pp_plan)
+        show_pipeline_plan(spec)
         return
+    if spec.pipeline is not None and kernels:
+        raise ValueError("--kernels: a pipeline artifact's stage programs do not carry kernels yet; drop --kernels "
+                         "(titan-run compiles what it needs)")
     out = out or Path("artifacts") / spec.name
     lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work
     if not replace:
@@ -87,7 +90,10 @@ def main(shape_args, **values):
                f"{spec.batch_size} x seq {spec.seq_len}, {spec.dtype}{timings.expectation('build', key)}")
     t0 = time.perf_counter()
     from titan.builder.program.bind import probe_ranks
-    shown = BuildProgress(len(probe_ranks(spec.layout)))  # the ranks traced (one program binds the rest)
+    # The ranks traced (one program binds the rest): a pipeline's probes are its stages' own.
+    probes = (len(probe_ranks(spec.layout)) if spec.pipeline is None
+              else sum(len(probe_ranks(stage.layout)) for stage in spec.stage_builds()))
+    shown = BuildProgress(probes)
 
     def progress(res):
         t = res.timings

@@ -1,6 +1,5 @@
-"""titan-build --pp: the stage split, each stage's share of the model and its peak micro-batches
-in flight, and every pp rank's actions. Stage programs are not built yet (issue 28): a pipeline
-build prints its plan and stops with the one line that says so."""
+"""titan-build --pp-plan: the stage split, each stage's share of the model and its peak
+micro-batches in flight, and every pp rank's actions, without building."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from titan.builder.spec.stage_split import dense_decoder_costs
 from titan.runtime.contract.memory_estimate import GIB, PARAM_STATE_BYTES
 
 
-def show_pipeline_plan(spec: BuildSpec, *, plan_only: bool) -> None:
+def show_pipeline_plan(spec: BuildSpec) -> None:
     if spec.pipeline is None:
         raise ValueError("--pp-plan shows a pipeline; add --pp N (N > 1)")
     record = spec.pipeline.schedule_record()
@@ -37,6 +36,3 @@ def show_pipeline_plan(spec: BuildSpec, *, plan_only: bool) -> None:
             click.echo(f"  pp rank {r} (stages {', '.join(map(str, stages))}): "
                        f"{params * PARAM_STATE_BYTES / shards / GIB:.2f} GiB per rank; at most "
                        f"{record.rank_in_flight(r)} stage micro-batches in flight")
-    if not plan_only:
-        raise ValueError(f"--pp {layout.pp}: stage programs are not built yet (the split and schedule above are "
-                         "checked; --pp-plan shows them without this error); build with --pp 1")

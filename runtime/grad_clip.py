@@ -44,8 +44,11 @@ class GlobalNormClip:
     when given). `placements`: each parameter's {mesh dim: "S(d)" | "R"}; `mesh`: the job's
     device mesh (None for one rank)."""
 
-    def __init__(self, placements: list[dict[str, str]], mesh, *, max_norm: float | None):
+    def __init__(self, placements: list[dict[str, str]], mesh, *, max_norm: float | None, pipeline_group=None):
+        """`pipeline_group`: with pipeline stages, the group of this rank's pipeline (its pp
+        peers), whose stages hold the rest of the model."""
         self.max_norm = max_norm
+        self.pipeline_group = pipeline_group
         dims = list(mesh.mesh_dim_names) if mesh is not None else []
         sharded = [_sharded_dims(p) for p in placements]
         partial = [d for d in dims if any(d in s for s in sharded)]
@@ -79,6 +82,12 @@ class GlobalNormClip:
             dist.all_reduce(stacked, group=group)
             stacked = stacked ** (1.0 / NORM_TYPE)
         total = torch.linalg.vector_norm(stacked, NORM_TYPE)
+        if self.pipeline_group is not None:
+            # The stages hold disjoint parameters: the model's norm sums their squares, as
+            # torchtitan's clip_grad_norm_ does with pipeline parallelism after the DTensor norm.
+            total = total ** NORM_TYPE
+            dist.all_reduce(total, group=self.pipeline_group)
+            total = total ** (1.0 / NORM_TYPE)
         if self.max_norm is None:
             return total, None
         return total, torch.clamp(self.max_norm / (total + 1e-6), max=1.0)

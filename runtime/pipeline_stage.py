@@ -14,12 +14,13 @@ from titan.runtime.grad_accumulation import accumulate_grads
 class GraphStage:
     def __init__(self, *, forward: fx.GraphModule, backward: fx.GraphModule, params: list[torch.Tensor],
                  inputs: tuple[str, ...], tokens: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, ...],
-                 activation_shape: tuple[int, ...], dtype: torch.dtype):
+                 activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None):
         """`params` in the program's order; `inputs` its input kinds (STAGE_INPUTS); `tokens` and
-        `labels` this step's micro-batches (used by the first and last stage)."""
+        `labels` this step's micro-batches (used by the first and last stage); received
+        activations and gradients land in buffers of `activation_shape` and `dtype` on `device`."""
         self.fw, self.bw, self.params, self.inputs = forward, backward, params, inputs
         self.tokens, self.labels = tokens, labels
-        self.activation_shape, self.dtype = activation_shape, dtype
+        self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.saved: dict[int, list[torch.Tensor]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         """The last stage's loss of each micro-batch."""
@@ -47,7 +48,7 @@ class GraphStage:
         return input_grads[self.inputs.index("activations")] if "activations" in self.inputs else None
 
     def input_buffer(self, microbatch: int) -> torch.Tensor:
-        return torch.empty(self.activation_shape, dtype=self.dtype)
+        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
 
     def output_grad_buffer(self, microbatch: int) -> torch.Tensor:
-        return torch.empty(self.activation_shape, dtype=self.dtype)
+        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)

@@ -14,18 +14,19 @@ from titan.runtime.contract.rank_record import check_graphs
 
 
 def load_rank_graphs(artifact: Artifact, rank: int, *, device: torch.device, groups: dict[str, str],
-                     redo: bool = False) -> tuple[fx.GraphModule, fx.GraphModule]:
+                     redo: bool = False, stage: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
     """(forward, backward) of `rank`, its rank-specific values bound to its coordinates;
     `groups` maps mesh dimensions to this process's process-group names; `redo`: of its
-    dropless redo program (a bounded MoE artifact's)."""
-    entry = artifact.rank_entry(rank, redo=redo)
+    dropless redo program (a bounded MoE artifact's); `stage`: of one of its pipeline stages."""
+    entry = artifact.rank_entry(rank, redo=redo, stage=stage)
     regions = region_kinds(artifact.manifest.passes)  # fusion regions only if the build made them
     bind = dict(groups=groups, coords=artifact.rank_coordinates(rank), device=device, regions=regions)
     forward = load_graph(artifact.read_verified(entry.forward, max_size=MAX_GRAPH_BYTES), **bind)
     backward = load_graph(artifact.read_verified(entry.backward, max_size=MAX_GRAPH_BYTES), **bind)
-    where = f"{artifact.root} rank {rank}{' redo program' if redo else ''}"
-    check_graphs(artifact.rank_record(rank, redo=redo), forward, backward, where, rank=rank, layout=artifact.layout,
-                 graph_hashes={k: artifact.graph_hash(rank, k, redo=redo) for k in ("forward", "backward")},
+    where = f"{artifact.root} rank {rank}{' redo program' if redo else ''}{'' if stage is None else f' stage {stage}'}"
+    check_graphs(artifact.rank_record(rank, redo=redo, stage=stage), forward, backward, where, rank=rank,
+                 layout=artifact.layout,
+                 graph_hashes={k: artifact.graph_hash(rank, k, redo=redo, stage=stage) for k in ("forward", "backward")},
                  batch_shape=(artifact.manifest.batch_size, artifact.manifest.seq_len),
                  vocab_size=artifact.manifest.vocab_size)
     return forward, backward
@@ -35,6 +36,7 @@ def check_rank_loads(artifact: Artifact, rank: int) -> None:
     """Everything titan-run checks of `rank` before it binds process groups: its metadata, its
     graphs decoded with every bound, and the two checked against each other."""
     groups = {dim: dim for dim, _ in artifact.layout.mesh_shape()}
-    load_rank_graphs(artifact, rank, device=torch.device("cpu"), groups=groups)
+    for stage in artifact.manifest.stages_of(rank) or (None,):
+        load_rank_graphs(artifact, rank, device=torch.device("cpu"), groups=groups, stage=stage)
     if artifact.manifest.redo_programs:
         load_rank_graphs(artifact, rank, device=torch.device("cpu"), groups=groups, redo=True)

@@ -29,8 +29,16 @@ def adamw_options(cfg: RunConfig) -> dict:
 
 
 def micro_batches(cfg: RunConfig, manifest: Manifest) -> int:
-    """Micro-batches per optimizer step from --accumulation-steps or --global-batch-size."""
+    """Micro-batches per optimizer step from --accumulation-steps or --global-batch-size; a
+    pipeline artifact's step is its schedule's micro-batches (the build chose them)."""
     per_micro = manifest.batch_size * manifest.dp_degree
+    if manifest.pipeline is not None:
+        built = manifest.microbatches
+        if cfg.accumulation_steps != 1 or cfg.global_batch_size not in (None, per_micro * built):
+            raise ValueError(f"this pipeline artifact's step is its {built} micro-batches of {manifest.batch_size} "
+                             f"sequences per data-parallel rank ({per_micro * built} sequences); drop "
+                             "--accumulation-steps / --global-batch-size, or rebuild with titan-build --microbatches")
+        return built
     if cfg.global_batch_size is None:
         return cfg.accumulation_steps
     if cfg.global_batch_size % per_micro:

@@ -78,6 +78,9 @@ class RunState:
                 raise ValueError(f"{flag} {given} differs from the artifact's {built} (it shapes the graphs); "
                                  f"rebuild with titan-build {flag} {given}, or drop {flag}")
         self.recipe = Recipe.for_run(cfg, manifest)
+        if manifest.pipeline is not None and cfg.val_data is not None:
+            raise ValueError("--val-data: validating a pipeline artifact is not built yet; drop --val-data (or build "
+                             "the artifact without --pp)")
         if cfg.val_data is None and (cfg.val_every is not None or cfg.val_steps != 1):
             raise ValueError("--val-every / --val-steps need --val-data FILE (a titan-data token file of held-out text)")
         if cfg.val_data is not None:

@@ -60,6 +60,14 @@ def op_by_op_update(program: GraphProgram, clip: GlobalNormClip, optimizer: Adam
     return update
 
 
+def rank_params(artifact: Artifact, rank: int) -> tuple[ParamSpec, ...]:
+    """The parameters this rank trains: its program's, or its pipeline stages' one after the other."""
+    stages = artifact.manifest.stages_of(rank)
+    if not stages:
+        return artifact.rank_record(rank).params
+    return tuple(p for s in stages for p in artifact.rank_record(rank, stage=s).params)
+
+
 def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int], *, validation: bool = False):
     """This rank's slice of the training data (or of --val-data)."""
     layout = manifest.layout
@@ -232,9 +240,10 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     # Initial state (seed / --init-from-hf / --resume), checkpoints and the one check of the run's
     # options against the artifact: runtime/run_state.py.
     record = artifact.rank_record(env.rank)
+    params = rank_params(artifact, env.rank)
     reader = " (importing torch's checkpoint reader)" if cfg.resume or cfg.checkpoint_dir else ""
     with phases(f"rank {env.rank}: checking the run's options and files{reader}", short="checks"):
-        run_state = RunState(cfg, artifact.manifest, record.params, buffers=record.buffers)
+        run_state = RunState(cfg, artifact.manifest, params, buffers=record.buffers)
     if startup.STARTED_ENV not in os.environ:  # not spawned by titan-run, which said these already (torchrun)
         for note in run_state.notes:
             _say(env, cfg, None, note)
@@ -266,10 +275,16 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
                              f"lacks{timings.expectation('fusion', key) or ' (the first run on a device compiles all)'}")
     t_load = time.perf_counter()
     recipe = run_state.recipe
-    program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
-                           micro_batches=recipe.micro_batches, load_param=run_state.load_param,
-                           load_buffer=run_state.load_buffer, params_from=run_state.params_from(),
-                           artifact_kernels=trusted)
+    if m.pipeline is not None:
+        from titan.runtime.pipeline_program import PipelineProgram
+        program = PipelineProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
+                                  load_param=run_state.load_param, params_from=run_state.params_from(),
+                                  artifact_kernels=trusted)
+    else:
+        program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
+                               micro_batches=recipe.micro_batches, load_param=run_state.load_param,
+                               load_buffer=run_state.load_buffer, params_from=run_state.params_from(),
+                               artifact_kernels=trusted)
     if compiles and env.rank == 0:
         timings.record("fusion", key, time.perf_counter() - t_load)
     if program.fusion is not None:
@@ -305,14 +320,15 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     with step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update, forward_loss):
         results = train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
                              tokens_per_step=tokens_per_step, log=log_all, start=start, after_step=after_step,
-                             micro_batches=recipe.micro_batches, update=update,
+                             update=update,
                              validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                         mesh=mesh),
-                             step_metrics=program.step_metrics if len(program.buffers) else None)
+                             step_metrics=program.step_metrics if len(program.buffers) else None,
+                             **batch_steps(program, recipe))
     if env.rank == 0 and not cfg.quiet:
         startup.launcher_phase(phases)
         print(run_summary(records, started=started, startup_s=startup_s, device=device, artifact=artifact,
-                          params=record.params), flush=True)
+                          params=params), flush=True)
     return results
 
 
@@ -341,14 +357,28 @@ def run_summary(records: list[dict], *, started: float, startup_s: float | None,
     return text if not redo else f"{text}\n{redo}."
 
 
+def batch_steps(program, recipe: Recipe) -> dict:
+    """train_loop's micro-batches per step: the recipe's accumulation for a whole-model program;
+    a pipeline program's own, with the step that runs them all through its schedule."""
+    from titan.runtime.pipeline_program import PipelineProgram
+    if not isinstance(program, PipelineProgram):
+        return {"micro_batches": recipe.micro_batches}
+    return {"micro_batches": recipe.micro_batches, "pipeline_step": program.step}
+
+
 @contextlib.contextmanager
 def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, recipe: Recipe, mesh,
                    optimizer: AdamW):
     """The program's (micro-batch step, update, validation loss) for train_loop: on a GPU unless
     disabled, each captured in a CUDA graph (the update when the optimizer is the one-kernel
-    AdamW); released on exit."""
-    clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm)
+    AdamW); released on exit. A pipeline program runs op by op (its step is its own)."""
+    pipeline = getattr(program, "pp_group", None)
+    clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm,
+                          pipeline_group=pipeline)
     update = op_by_op_update(program, clip, optimizer)
+    if pipeline is not None:
+        yield None, update, None
+        return
     if device.type != "cuda" or not cfg.cuda_graphs:
         yield program.step, update, program.forward_loss
         return

@@ -60,20 +60,26 @@ def train_loop(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op
                update: Callable[[], torch.Tensor | None] | None = None,
                validation: Validation | None = None,
                after_step: Callable[[int], None] | None = None,
-               step_metrics: Callable[[], dict] | None = None) -> StepResults:
+               step_metrics: Callable[[], dict] | None = None,
+               pipeline_step: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor] | None = None
+               ) -> StepResults:
     """Run optimizer steps start+1 .. steps. Step s reads micro-batches (s-1)*n .. s*n-1 of
     `data`. `update()` applies the summed gradients and returns their global norm before any
     clip (None if it measures none); by default it is `optimizer.step()`; `validation` runs when due
     (its time is not in the step's); `after_step(step)` runs after
     each (checkpointing); `step_metrics()` adds to the logged record (read after the step,
-    e.g. the expert load from the model's buffers)."""
+    e.g. the expert load from the model's buffers). `pipeline_step(batches)`, when given, runs
+    the step's micro-batches together through a pipeline schedule instead of `step_fn` one by
+    one, and returns the step's loss."""
     results = StepResults()
     for step in range(start + 1, steps + 1):
         batches = [data.batch((step - 1) * micro_batches + k) for k in range(micro_batches)]
         batches = [(tokens.to(device), labels.to(device)) for tokens, labels in batches]
         t0 = time.perf_counter()
         local = None
-        for tokens, labels in batches:
+        if pipeline_step is not None:
+            local = pipeline_step(batches)
+        for tokens, labels in batches if pipeline_step is None else ():
             loss = step_fn(tokens, labels)
             local = loss if local is None else local + loss
         if update is not None:

@@ -145,8 +145,20 @@ def decoder_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, c
     for block in model.layers.values():
         h = block(h, cos, sin) if documents is None else block(h, cos, sin, documents=documents)
     logits = model.output(model.norm(h))
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
-    return loss / model.loss_scale
+    return ScaledTokenLoss(model.loss_scale)(logits, labels)
+
+
+class ScaledTokenLoss:
+    """The summed next-token loss of `logits` against `labels`, divided by `scale`: a decoder's
+    loss (scale: the global batch's token count), and a pipeline's last stage's (the same count
+    for one micro-batch)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+        return loss / self.scale
 
 
 class Decoder(nn.Module):

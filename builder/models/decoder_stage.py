@@ -23,10 +23,17 @@ def decoder_rope(cfg) -> Callable[[int, torch.device], tuple[torch.Tensor, torch
 
 
 class DecoderStage(nn.Module):
-    """Blocks [start, stop) of `model` (the parameters are the model's own modules: same names)."""
+    """Blocks [start, stop) of `model` (the parameters are the model's own modules: same names).
+    `seq_len`: the sequence length RoPE is computed for (default: the input's second dimension,
+    which is only the whole sequence without tensor parallelism: sequence parallel shards the
+    activations a stage receives); `loss_fn(logits, labels)`: the last stage's loss."""
 
-    def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool):
+    def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool,
+                 seq_len: int | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
+        self.seq_len = seq_len
+        self.loss_fn = loss_fn or mean_token_loss
         self.rope = decoder_rope(model.cfg)
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(start, stop)})
@@ -37,13 +44,13 @@ class DecoderStage(nn.Module):
         program of the last stage computes)."""
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
-        cos, sin = self.rope(h.shape[1], h.device)
+        cos, sin = self.rope(self.seq_len or h.shape[1], h.device)
         for block in self.layers.values():
             h = block(h, cos, sin)
         if self.output is None:
             return h
         logits = self.output(self.norm(h))
-        return logits if labels is None else mean_token_loss(logits, labels)
+        return logits if labels is None else self.loss_fn(logits, labels)
 
 
 def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ def _depths(spec) -> tuple[tuple[int, ...], int]:
 
 def stampable(spec) -> bool:
     """Whether fitting from shallow traces can pay: a model deeper than the depths it traces."""
-    return getattr(spec.cfg, "n_layers", 0) > _depths(spec)[1]
+    # A pipeline stage is traced whole: it holds few of the model's blocks.
+    return spec.stage is None and getattr(spec.cfg, "n_layers", 0) > _depths(spec)[1]
 
 
 def _at_rank_zero(value):

@@ -16,7 +16,7 @@ from titan.builder.models.attention import attention_overrides, attention_tags
 from titan.builder.models.shape import apply_shape, shape_tags
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes.registry import check_passes, default_passes
-from titan.builder.spec.pipeline_spec import PipelineSpec, make_pipeline
+from titan.builder.spec.pipeline_spec import PipelineSpec, StageSpec, make_pipeline
 from titan.runtime.contract.layout import Layout
 
 # Batch shape defaults: small for the CPU-sized flavors, Llama-3 pretraining shape otherwise.
@@ -55,6 +55,9 @@ class BuildSpec:
     (builder/models/shape.py); part of the model config and of the artifact's name."""
     pipeline: PipelineSpec | None = None
     """With --pp > 1: the schedule, micro-batches and stage split (builder/spec/pipeline_spec.py)."""
+    stage: StageSpec | None = None
+    """Set on the build of one stage of a pipeline (stage_builds): what is traced is that stage,
+    on the layout without pp."""
     attention: tuple[tuple[str, Any], ...] = ()
     """The attention choice's config fields that differ from SDPA causal (field, value),
     checked by builder/models/attention.py; part of the model config and of the artifact's name."""
@@ -69,6 +72,11 @@ class BuildSpec:
     def moe_redo(self) -> bool:
         """Whether the artifact carries the dropless program to redo overflowing steps."""
         return self.moe_capacity is not None and not self.moe_drop
+
+    def stage_builds(self) -> list[BuildSpec]:
+        """A pipeline build's stages, each a build of its own (traced and cached alone)."""
+        return [replace(self, layout=replace(self.layout, pp=1), pipeline=None, stage=stage)
+                for stage in self.pipeline.stages()]
 
     def dropless(self) -> BuildSpec:
         """The same build with dropless dispatch buffers: the default build, its cache key included."""

@@ -17,6 +17,29 @@ PIPELINE_DIMS = ("dp_shard", "tp")
 
 
 @dataclass(kw_only=True, frozen=True)
+class StageSpec:
+    """One stage of a pipeline build, traced as a build of its own: the stage's module
+    (builder/models/decoder_stage.py) on the layout without pp (a stage's graphs hold only its
+    own ranks' collectives, and do not depend on the schedule: every schedule of the same split
+    reuses them from the cache)."""
+    index: int
+    stages: int
+    layers: tuple[int, int]
+    """The [start, stop) of its transformer blocks."""
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+    def factor(self) -> dict:
+        return {"index": self.index, "stages": self.stages, "layers": list(self.layers)}
+
+
+@dataclass(kw_only=True, frozen=True)
 class PipelineSpec:
     schedule: str
     """gpipe, 1f1b or interleaved-1f1b (--pp-schedule)."""
@@ -32,6 +55,10 @@ class PipelineSpec:
     def schedule_record(self) -> PipelineSchedule:
         return pipeline_schedule(self.schedule, spans=layer_spans(self.stage_layers), microbatches=self.microbatches,
                                  stages_per_rank=self.stages_per_rank)
+
+    def stages(self) -> list[StageSpec]:
+        spans = layer_spans(self.stage_layers)
+        return [StageSpec(index=s, stages=len(spans), layers=span) for s, span in enumerate(spans)]
 
     def tags(self) -> list[str]:
         """Artifact-name parts: `1f1b-mb4` (`interleaved-1f1b-v2-mb4`), and `split-3-1` for a split

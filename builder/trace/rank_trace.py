@@ -23,6 +23,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _u
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan.builder.passes.checkpointing import tag_activation_checkpointing
+from titan.builder.models.decoder import ScaledTokenLoss
+from titan.builder.models.decoder_stage import DecoderStage
 from titan.builder.models.spec import RankPlace
 from titan.builder.trace.parallelize import parallelize
 from titan.builder.passes.registry import PASSES, PassContext
@@ -30,21 +32,22 @@ from titan.builder.trace.job import RankJob, RankResult
 from titan.builder.trace.rank_progress import report
 from titan.runtime.contract.graph_encode import encode_graph
 from titan.runtime.contract.layout import mesh_dims_by_group
-from titan.runtime.contract.rank_record import BufferSpec, GraphInput, RankRecord
+from titan.runtime.contract.rank_record import BufferSpec, GraphInput, RankRecord, StageIO
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
 
-def _desc_input(desc) -> GraphInput:
+def _desc_input(desc, data_kinds: tuple[str, ...]) -> GraphInput:
     """Describe a joint-graph placeholder from its AOT descriptor (kind "tangent": the
-    backward's, which the partitioner leaves out of the forward's inputs)."""
+    backward's, which the partitioner leaves out of the forward's inputs); `data_kinds`: what the
+    traced module's positional inputs are (tokens and labels; a pipeline stage's differ)."""
     name = type(desc).__name__
     if name == "ParamAOTInput":
         return GraphInput(kind="param", fqn=desc.target)
     if name == "BufferAOTInput":
         return GraphInput(kind="buffer", fqn=desc.target)
     if name == "PlainAOTInput":
-        return GraphInput(kind=("tokens", "labels")[desc.idx])
+        return GraphInput(kind=data_kinds[desc.idx])
     if name == "TangentAOTInput":
         return GraphInput(kind="tangent")
     raise ValueError(f"unexpected graph input {desc}")
@@ -138,20 +141,19 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         model.to_empty(device="cpu")
-        tokens = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
-        labels = torch.empty(build.batch_size, build.seq_len, dtype=torch.long)
+        traced, examples, data_kinds = _traced_module(build, model)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(module_provenance(model))
+        stack.enter_context(module_provenance(traced))
         # Graph modules generate their Python code when it is first needed, not at each change
         # (the partitioner and the passes would generate it ~9 times per trace, and nothing here
         # runs them): ~10-14% of a trace (issue 30).
         stack.enter_context(_use_lazy_graph_module(True))
-        joint = aot_export_joint_with_descriptors(stack, model, (tokens, labels))
+        joint = aot_export_joint_with_descriptors(stack, traced, examples)
         t_export = time.perf_counter()
         report(rank, "partitioning")
         gm = joint.graph_module
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        joint_inputs = [_desc_input(n.meta["desc"]) for n in placeholders]
+        joint_inputs = [_desc_input(n.meta["desc"], data_kinds) for n in placeholders]
         mutated = mutated_buffers(gm)
         # The partitioners rewrite the joint graph in place: give them a copy.
         joint_copy = copy_graph_module(gm)
@@ -174,11 +176,44 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     bw_blob = encode_graph(bw, group_names=groups)
     meta = _rank_meta(job, family.init_specs(cfg), coords, shards, joint_inputs, fw, bw,
                       mutated=mutated, buffer_metric=family.buffer_metric)
-    meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan), model_plan=model_plan)
+    meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan), model_plan=model_plan,
+                   stage=None if build.stage is None else stage_io(build, examples, data_kinds, fw, len(mutated)))
     t_end = time.perf_counter()
     return RankResult(rank=rank, depth=depth, forward=fw_blob, backward=bw_blob, meta=meta,
                       timings={"export_s": t_export - t0, "partition_s": t_partition - t_export,
                                "passes_s": t_passes - t_partition, "encode_s": t_end - t_passes})
+
+
+def _traced_module(build, model: torch.nn.Module) -> tuple[torch.nn.Module, tuple, tuple[str, ...]]:
+    """What a rank traces (inside the fake mode): the model on (tokens, labels), or a pipeline
+    stage of it (build.stage) on what that stage receives (tokens on the first, this rank's
+    shard of the activations on the others: sequence parallel shards them over tp) and, on the
+    last, the labels; and the kinds of those inputs."""
+    batch = (build.batch_size, build.seq_len)
+    labels = torch.empty(*batch, dtype=torch.long)
+    if build.stage is None:
+        return model, (torch.empty(*batch, dtype=torch.long), labels), ("tokens", "labels")
+    stage = build.stage
+    module = DecoderStage(model, *stage.layers, first=stage.first, last=stage.last, seq_len=build.seq_len,
+                          loss_fn=ScaledTokenLoss(model.loss_scale))
+    if stage.first:
+        received, kinds = torch.empty(*batch, dtype=torch.long), ("tokens",)
+    else:
+        shape = (build.batch_size, build.seq_len // build.layout.tp, build.cfg.dim)
+        received, kinds = torch.empty(shape, dtype=getattr(torch, build.dtype), requires_grad=True), ("activations",)
+    return (module, (received, labels), kinds + ("labels",)) if stage.last else (module, (received,), kinds)
+
+
+def stage_io(build, examples: tuple, data_kinds: tuple[str, ...], fw: fx.GraphModule, n_updates: int) -> StageIO:
+    """A traced stage's place in the pipeline and the activations it receives and sends (what
+    its forward returns after the buffer updates, unless it is the last)."""
+    stage = build.stage
+    received = examples[data_kinds.index("activations")] if "activations" in data_kinds else None
+    sent = None if stage.last else next(n for n in fw.graph.nodes if n.op == "output").args[0][n_updates].meta["val"]
+    dtype = str((received if received is not None else sent).dtype).removeprefix("torch.")
+    return StageIO(index=stage.index, stages=stage.stages, layers=stage.layers,
+                   input_shape=None if received is None else tuple(received.shape),
+                   output_shape=None if sent is None else tuple(sent.shape), dtype=dtype)
 
 
 def mutated_buffers(gm: fx.GraphModule) -> list[str]:
@@ -223,8 +258,9 @@ def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint
                     for node, inp in zip(placeholders, fw_inputs) if inp.kind == "buffer")
     assert set(mutated) <= {b.fqn for b in buffers}, mutated
     grads = tuple(inp.fqn if inp.kind == "param" else None for inp in fw_inputs)
-    for fqn, out in zip(grads, bw_outputs):
-        assert (fqn is None) == (out is None), f"gradient presence mismatch for {fqn}"
+    for inp, fqn, out in zip(fw_inputs, grads, bw_outputs):
+        # A pipeline stage's received activations have a gradient too: it is sent back.
+        assert (fqn is None and inp.kind != "activations") == (out is None), f"gradient presence mismatch for {fqn}"
     # Every data- and tensor-parallel reduction is inside the backward graph (grad_reductions_owed {}).
     return RankRecord(rank=job.rank, coords=coords, params=params, forward_inputs=tuple(fw_inputs),
                       static_input_indices=tuple(i for i, inp in enumerate(fw_inputs) if inp.kind in ("param", "buffer")),

@@ -22,8 +22,9 @@ from titan.runtime.kernels.artifact_trust import kernels_trusted
 from titan.runtime.recipe import Recipe
 from titan.runtime.startup import rank_phases
 from titan.runtime.run_config import RunConfig
+from titan.runtime.pipeline_program import PipelineProgram
 from titan.runtime.train import (GraphProgram, compiles_regions, make_data, make_optimizer,
-                                 make_validation, step_functions)
+                                 make_validation, rank_params, step_functions)
 from titan.runtime.train_loop import StepResults, train_loop
 
 
@@ -61,9 +62,17 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
     artifact_steps: list[dict] = []
 
     with phases(f"rank {env.rank}: building the model eagerly and training it {cfg.steps} step(s)", short="eager"):
-        eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
-                             device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
-                             micro_batches=recipe.micro_batches, capacity_factor=drop_capacity(m))
+        if m.pipeline is None:
+            eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
+                                 device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
+                                 micro_batches=recipe.micro_batches, capacity_factor=drop_capacity(m))
+            named, eager_step, pipeline_step = eager.model.named_parameters(), eager.step, {}
+        else:
+            from titan.cli.tools.eager_pipeline import EagerPipeline
+            eager = EagerPipeline(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
+                                  device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
+                                  schedule=m.pipeline.schedule)
+            named, eager_step, pipeline_step = eager.named_params, None, {"pipeline_step": eager.step}
         # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors),
         # LR scheduler and clip_grad_norm_.
         eager_opt = torch.optim.AdamW(eager.params, lr=recipe.schedule.lr, foreach=False, **recipe.adamw)
@@ -76,10 +85,11 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
             scheduler.step()
             return norm
 
-        eager_run = train_loop(eager.step, eager_opt, make_data(m, cfg, coords), update=eager_update,
-                               validation=make_validation(eager.forward_loss, m, cfg, coords, device=device, mesh=mesh),
-                               log=eager_steps.append, **kw)
-        eager_params = {fqn: p.detach().cpu() for fqn, p in eager.model.named_parameters()}
+        validation = None if m.pipeline else make_validation(eager.forward_loss, m, cfg, coords, device=device,
+                                                             mesh=mesh)
+        eager_run = train_loop(eager_step, eager_opt, make_data(m, cfg, coords), update=eager_update,
+                               validation=validation, log=eager_steps.append, **kw, **pipeline_step)
+        eager_params = {fqn: p.detach().cpu() for fqn, p in named}
         del eager, eager_opt, scheduler, eager_update
         if device.type == "cuda":  # the eager model's blocks go back before the artifact's program takes its own
             import gc
@@ -88,8 +98,11 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
     trusted, note = kernels_trusted(art, cfg.kernel_trust) if compiles_regions(m, device) else (False, "")
     if note and env.rank == 0:
         print(note, flush=True)
-    program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed,
-                           micro_batches=recipe.micro_batches, artifact_kernels=trusted)
+    if m.pipeline is None:
+        program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed,
+                               micro_batches=recipe.micro_batches, artifact_kernels=trusted)
+    else:
+        program = PipelineProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed, artifact_kernels=trusted)
     if program.fusion is not None and env.rank == 0:
         print(program.fusion.line(), flush=True)
     optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
@@ -98,8 +111,9 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
         graph_run = train_loop(step, optimizer, make_data(m, cfg, program.coords), update=update,
                                validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                           mesh=mesh), log=artifact_steps.append,
-                               step_metrics=program.step_metrics if program.redo is not None else None, **kw)
-    fqns = art.rank_record(env.rank).param_fqns
+                               step_metrics=program.step_metrics if getattr(program, "redo", None) else None,
+                               **kw, **({} if m.pipeline is None else {"pipeline_step": program.step}))
+    fqns = [p.fqn for p in rank_params(art, env.rank)]
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
     return Verdict(eager=eager_run, artifact=graph_run, device=device, params_differ=differ, params=len(fqns),
                    eager_steps=eager_steps, artifact_steps=artifact_steps)

@@ -95,32 +95,49 @@ class Artifact:
         coords = self.layout.coordinates(rank)
         return {name: coords[name] for name, _ in self.layout.mesh_shape()}
 
-    def rank_entry(self, rank: int, *, redo: bool = False) -> ProgramFiles:
+    def rank_entry(self, rank: int, *, redo: bool = False, stage: int | None = None) -> ProgramFiles:
         """The files of the program this rank runs (`redo`: of its dropless redo program, which
-        a bounded MoE artifact carries: manifest.redo_programs)."""
+        a bounded MoE artifact carries: manifest.redo_programs; `stage`: of one of its pipeline
+        stages, manifest.stages_of(rank))."""
         self.rank_coordinates(rank)  # in range
-        return self.manifest.redo_program_of(rank) if redo else self.manifest.program_of(rank)
+        if stage is not None and stage not in self.manifest.stages_of(rank):
+            raise ArtifactError(f"{self.root}: rank {rank} runs no pipeline stage {stage}")
+        return self.manifest.redo_program_of(rank) if redo else self.manifest.program_of(rank, stage)
 
-    def graph_hash(self, rank: int, kind: str, *, redo: bool = False) -> str:
+    def graph_hash(self, rank: int, kind: str, *, redo: bool = False, stage: int | None = None) -> str:
         """The sha256 of the `kind` ("forward" or "backward") graph this rank runs."""
-        return self.manifest.files[getattr(self.rank_entry(rank, redo=redo), kind)]
+        return self.manifest.files[getattr(self.rank_entry(rank, redo=redo, stage=stage), kind)]
 
-    def program_json(self, rank: int, *, redo: bool = False):
+    def program_json(self, rank: int, *, redo: bool = False, stage: int | None = None):
         """The metadata of the program this rank runs, as stored (slices named by mesh dimension)."""
-        rel = self.rank_entry(rank, redo=redo).meta
+        rel = self.rank_entry(rank, redo=redo, stage=stage).meta
         try:
             return loads_json(self.read_verified(rel, max_size=MAX_PROGRAM_BYTES), f"{self.root}: program metadata {rel}")
         except UnsafeFile as e:
             raise ArtifactError(f"{e}; rebuild with titan-build") from None
 
-    def rank_record(self, rank: int, *, redo: bool = False) -> RankRecord:
-        """The program's metadata bound to this rank and checked (once per rank)."""
-        if (rank, redo) not in self._records:
-            self._records[rank, redo] = bind_program(
-                self.program_json(rank, redo=redo), rank=rank, layout=self.layout,
-                where=f"{self.root} rank {rank}{' redo program' if redo else ''}",
-                what=f"{self.root}: program metadata {self.rank_entry(rank, redo=redo).meta}")
-        return self._records[rank, redo]
+    def rank_record(self, rank: int, *, redo: bool = False, stage: int | None = None) -> RankRecord:
+        """The program's metadata bound to this rank and checked (once per rank); a pipeline
+        stage's program states the stage it runs, which must be `stage`."""
+        if (rank, redo, stage) not in self._records:
+            where = f"{self.root} rank {rank}{' redo program' if redo else ''}"
+            where += "" if stage is None else f" stage {stage}"
+            record = bind_program(self.program_json(rank, redo=redo, stage=stage), rank=rank, layout=self.layout,
+                                  where=where, what=f"{self.root}: program metadata "
+                                                    f"{self.rank_entry(rank, redo=redo, stage=stage).meta}")
+            expected = stage if stage is not None else (self.manifest.stages_of(rank) or (None,))[0]
+            if (record.stage.index if record.stage else None) != expected:
+                raise ArtifactError(f"{where}: its program is not the program of "
+                                    f"{'the whole model' if expected is None else f'stage {expected}'}; "
+                                    "rebuild with titan-build")
+            if record.stage is not None:
+                pipeline = self.manifest.pipeline.schedule
+                if (record.stage.stages, record.stage.layers) != (pipeline.n_stages, pipeline.stage_layers[expected]):
+                    raise ArtifactError(f"{where}: its program holds layers {list(record.stage.layers)} of "
+                                        f"{record.stage.stages} stages, not what the pipeline schedule gives stage "
+                                        f"{expected}; rebuild with titan-build")
+            self._records[rank, redo, stage] = record
+        return self._records[rank, redo, stage]
 
 
 def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:

@@ -12,6 +12,7 @@ from pathlib import Path
 from titan.runtime.contract.checks import ArtifactError, check_int, check_rel_path, check_str, fail
 from titan.runtime.contract.hf_record import RECORD, HFRecord, plain_config_value, required
 from titan.runtime.contract.layout import MESH_DIMS, Layout
+from titan.runtime.contract.pipeline_schedule import MAX_STAGES, PipelineSchedule
 
 ARTIFACT_FORMAT = "titan-artifact"
 ARTIFACT_VERSION = 2  # 2: programs shared by ranks, rank values bound at load
@@ -64,6 +65,19 @@ class MoECapacity:
 
 
 @dataclass(kw_only=True, frozen=True)
+class PipelinePlan:
+    """A pipeline artifact's stages (docs/pipeline.md): the schedule every pp rank runs, and the
+    program of each stage on each rank of it."""
+    schedule: PipelineSchedule
+    stage_programs: tuple[tuple[int, ...], ...]
+    """Per stage, per place in the stage's block of ranks (rank % (world / pp): pp is the
+    outermost mesh dimension), the index of the program it runs."""
+
+    def to_json(self) -> dict:
+        return {"schedule": self.schedule.to_json(), "stage_programs": [list(p) for p in self.stage_programs]}
+
+
+@dataclass(kw_only=True, frozen=True)
 class Manifest:
     model: str
     """The model family (builder/models/ registry name)."""
@@ -101,6 +115,9 @@ class Manifest:
     """With a capacity that does not drop: the dropless programs that redo an overflowing step."""
     redo_rank_programs: tuple[int, ...] = ()
     """Per rank, the index of its redo program (empty without redo programs)."""
+    pipeline: PipelinePlan | None = None
+    """With pp > 1: the schedule and each stage's programs; `rank_programs` then gives each
+    rank the program of its first stage."""
 
     def redo_program_of(self, rank: int) -> ProgramFiles:
         return self.redo_programs[self.redo_rank_programs[rank]]
@@ -114,11 +131,30 @@ class Manifest:
         return self.model_config["vocab_size"]
 
     @property
+    def microbatches(self) -> int:
+        """Micro-batches of `batch_size` sequences a step reads per data-parallel rank: a
+        pipeline's (its schedule's), else 1 (gradient accumulation is the run's choice)."""
+        return 1 if self.pipeline is None else self.pipeline.schedule.microbatches
+
+    @property
     def tokens_per_step(self) -> int:
+        """Tokens of one micro-batch over every data-parallel rank (a step reads `microbatches`
+        of them, or the run's accumulation steps)."""
         return self.batch_size * self.seq_len * self.layout.dp_degree
 
-    def program_of(self, rank: int) -> ProgramFiles:
-        return self.programs[self.rank_programs[rank]]
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The pipeline stages `rank` runs, in stage order (() without a pipeline)."""
+        if self.pipeline is None:
+            return ()
+        pp_coord = self.layout.coordinates(rank)["pp"]
+        return tuple(s for s, r in enumerate(self.pipeline.schedule.stage_rank) if r == pp_coord)
+
+    def program_of(self, rank: int, stage: int | None = None) -> ProgramFiles:
+        """The program `rank` runs (of pipeline stage `stage`, one of stages_of(rank))."""
+        if stage is None:
+            return self.programs[self.rank_programs[rank]]
+        assert stage in self.stages_of(rank), (rank, stage)
+        return self.programs[self.pipeline.stage_programs[stage][rank % (self.world_size // self.layout.pp)]]
 
     def hf_record(self, where: str) -> HFRecord:
         """The Hugging Face record (ValueError naming `where` if the model has none)."""
@@ -143,6 +179,8 @@ class Manifest:
         if self.redo_programs:
             d["redo_programs"] = [p.to_json() for p in self.redo_programs]
             d["redo_rank_programs"] = list(self.redo_rank_programs)
+        if self.pipeline is not None:
+            d["pipeline"] = self.pipeline.to_json()
         return d
 
     @staticmethod
@@ -182,8 +220,13 @@ def _checked(m: dict) -> Manifest:
     if len(cfg) > 256 or not all(isinstance(k, str) and len(k) <= 64 and plain_config_value(v) for k, v in cfg.items()):
         fail(where, "'model_config' must map at most 256 names to plain values (numbers, short strings, "
                     "lists of layer numbers)")
-    programs, assignment = _programs(m, "programs", "rank_programs", files, world, where)
+    # A pipeline's ranks may run several stages each, a program per stage.
+    most = world * (MAX_STAGES if "pipeline" in m else 1)
+    programs, assignment = _programs(m, "programs", "rank_programs", files, world, where, most=most)
+    pipeline = _pipeline(m, layout, cfg, len(programs), assignment, where)
     capacity, redo, redo_assignment = _moe_capacity(m, files, world, where)
+    if pipeline is not None and capacity is not None:
+        fail(where, "a pipeline with a bounded MoE dispatch is not something titan-build writes")
     kernels = m.get("kernels", {})
     _check_kernels(kernels, files, where)
     passes = m.get("passes")
@@ -195,15 +238,17 @@ def _checked(m: dict) -> Manifest:
                     seq_len=m["seq_len"], torch_version=m["torch_version"], passes=tuple(passes),
                     hf_checkpoint=hf, files=files, kernels=kernels,
                     programs=programs, rank_programs=assignment, moe_capacity=capacity, redo_programs=redo,
-                    redo_rank_programs=redo_assignment)
+                    redo_rank_programs=redo_assignment, pipeline=pipeline)
 
 
 def _programs(m: dict, key: str, assignment_key: str, files: dict, world: int,
-              where: str) -> tuple[tuple[ProgramFiles, ...], tuple[int, ...]]:
-    """A list of programs whose files are listed, and the program of each rank."""
+              where: str, most: int | None = None) -> tuple[tuple[ProgramFiles, ...], tuple[int, ...]]:
+    """A list of programs (at most `most`, by default one per rank) whose files are listed, and
+    the program of each rank."""
     programs = m.get(key)
-    if not isinstance(programs, list) or not 1 <= len(programs) <= world:
-        fail(where, f"'{key}' must list between 1 and {world} programs")
+    most = world if most is None else most
+    if not isinstance(programs, list) or not 1 <= len(programs) <= most:
+        fail(where, f"'{key}' must list between 1 and {most} programs")
     for i, entry in enumerate(programs):
         if not isinstance(entry, dict):
             fail(where, f"program {i} is malformed")
@@ -218,6 +263,40 @@ def _programs(m: dict, key: str, assignment_key: str, files: dict, world: int,
         check_int(index, f"{where} {assignment_key}[{r}]", 0, len(programs) - 1)
     return (tuple(ProgramFiles(meta=p["meta"], forward=p["forward"], backward=p["backward"]) for p in programs),
             tuple(assignment))
+
+
+def _pipeline(m: dict, layout: Layout, cfg: dict, n_programs: int, assignment: tuple[int, ...],
+              where: str) -> PipelinePlan | None:
+    """The pipeline: present exactly when the mesh has a pp dimension; its schedule checked
+    (complete, deadlock-free: runtime/contract/pipeline_schedule.py) for the model's layers; every
+    rank of every stage given a program, and each rank's `rank_programs` entry its first stage's."""
+    raw = m.get("pipeline")
+    if (raw is None) != (layout.pp == 1):
+        fail(where, "'pipeline' belongs with a pp mesh dimension, and a pp dimension needs it")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"schedule", "stage_programs"}:
+        fail(where, "'pipeline' must hold exactly 'schedule' and 'stage_programs'")
+    n_layers = check_int(cfg.get("n_layers"), f"{where} model_config n_layers", 1, 1 << 16)
+    schedule = PipelineSchedule.from_json(raw["schedule"], f"{where} pipeline schedule", n_layers=n_layers,
+                                          pp=layout.pp)
+    per_stage = layout.world_size // layout.pp
+    stage_programs = raw["stage_programs"]
+    if not isinstance(stage_programs, list) or len(stage_programs) != schedule.n_stages or not all(
+            isinstance(p, list) and len(p) == per_stage for p in stage_programs):
+        fail(where, f"'stage_programs' must give each of the {schedule.n_stages} stages a program for each of its "
+                    f"{per_stage} rank(s)")
+    for s, programs in enumerate(stage_programs):
+        for index in programs:
+            check_int(index, f"{where} stage_programs[{s}]", 0, n_programs - 1)
+    plan = PipelinePlan(schedule=schedule, stage_programs=tuple(tuple(p) for p in stage_programs))
+    if set(schedule.stage_rank) != set(range(layout.pp)):
+        fail(where, "every pp rank must hold a stage of the pipeline")
+    for rank, index in enumerate(assignment):
+        first = schedule.stage_rank.index(layout.coordinates(rank)["pp"])
+        if plan.stage_programs[first][rank % per_stage] != index:
+            fail(where, f"rank {rank}'s program is not its first stage's ({first})")
+    return plan
 
 
 def _moe_capacity(m: dict, files: dict, world: int,
@@ -254,9 +333,6 @@ def _layout(m: dict, world: int, where: str) -> Layout:
             fail(where, f"bad mesh dimension {dim!r}")
         seen.append(dim[0])
         product *= check_int(dim[1], f"{where} mesh {dim[0]}", 2, 1 << 16)
-        if dim[0] == "pp":
-            # titan-build does not write stage programs yet (issue 28): no artifact holds a pipeline.
-            fail(where, f"pipeline stages (pp {dim[1]}) are not run by this runtime yet")
     if seen != sorted(seen, key=MESH_DIMS.index):
         fail(where, "mesh dimensions out of order")
     if product != world:

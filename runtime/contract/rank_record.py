@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
 INIT_KINDS = ("normal", "trunc_normal", "ones", "zeros")
-INPUT_KINDS = ("param", "buffer", "tokens", "labels")
+INPUT_KINDS = ("param", "buffer", "tokens", "activations", "labels")
+"""A pipeline stage's program takes `activations` (what the stage before it sent) where the first
+stage, and every program of a build without a pipeline, takes `tokens`."""
 BUFFER_DTYPES = ("float32", "int64")
 BUFFER_METRICS = ("tokens_per_expert", "dropped_tokens")
 """What a buffer may feed in titan-run's per-step metrics (runtime/buffer_state.py)."""
@@ -173,6 +175,66 @@ class Bucket:
 
 
 @dataclass(kw_only=True, frozen=True)
+class StageIO:
+    """A pipeline stage program's place in the pipeline (docs/pipeline.md): which stage it runs
+    and the activations it receives and sends, this rank's local shard of them (sequence-sharded
+    under tensor parallelism)."""
+    index: int
+    stages: int
+    """The pipeline's stage count."""
+    layers: tuple[int, int]
+    """The [start, stop) of the transformer blocks it holds."""
+    input_shape: tuple[int, ...] | None
+    """The activations it receives (None: the first stage, which reads tokens)."""
+    output_shape: tuple[int, ...] | None
+    """The activations it sends on (None: the last stage, which returns its loss)."""
+    dtype: str
+    """The activations' dtype (the build's compute dtype)."""
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "stages": self.stages, "layers": list(self.layers),
+                "input_shape": None if self.input_shape is None else list(self.input_shape),
+                "output_shape": None if self.output_shape is None else list(self.output_shape), "dtype": self.dtype}
+
+    @staticmethod
+    def from_json(d, where: str) -> StageIO:
+        where = f"{where} stage"
+        if not isinstance(d, dict):
+            fail(where, "must be a map")
+        stages = check_int(d.get("stages"), f"{where} count", 2, MAX_STAGES)
+        index = check_int(d.get("index"), f"{where} index", 0, stages - 1)
+        layers = d.get("layers")
+        if not isinstance(layers, list) or len(layers) != 2:
+            fail(where, "layers must be [start, stop]")
+        start = check_int(layers[0], f"{where} layers", 0, 1 << 16)
+        stop = check_int(layers[1], f"{where} layers", start + 1, 1 << 16)
+        shapes = [None if d.get(k) is None else check_shape(d.get(k), f"{where} {k}")
+                  for k in ("input_shape", "output_shape")]
+        if (shapes[0] is None) != (index == 0) or (shapes[1] is None) != (index == stages - 1):
+            fail(where, "only the first stage receives no activations and only the last sends none")
+        if d.get("dtype") not in ACTIVATION_DTYPES:
+            fail(where, f"activation dtype {str(d.get('dtype'))[:20]!r} is not one of {', '.join(ACTIVATION_DTYPES)}")
+        return StageIO(index=index, stages=stages, layers=(start, stop), input_shape=shapes[0],
+                       output_shape=shapes[1], dtype=d["dtype"])
+
+    def expected_inputs(self) -> dict[str, int]:
+        """How many data inputs of each kind its forward takes."""
+        return {"tokens": int(self.first), "activations": int(not self.first), "labels": int(self.last)}
+
+
+MAX_STAGES = 1024
+ACTIVATION_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(kw_only=True, frozen=True)
 class RankRecord:
     params: tuple[ParamSpec, ...]
     """The parameter inputs' table, in forward-input order."""
@@ -202,6 +264,8 @@ class RankRecord:
     model_plan: dict | None = None
     """What the model decided for its ranks, the same on each (a mixture of experts' dispatch
     plan: ModelSpec.place_rank), for the tools."""
+    stage: StageIO | None = None
+    """A pipeline stage's program: its stage and activations (None: the whole model's)."""
 
     @property
     def param_fqns(self) -> list[str]:
@@ -219,6 +283,8 @@ class RankRecord:
             d.update(buffers=[b.to_json() for b in self.buffers], mutated_buffers=list(self.mutated_buffers))
         if self.model_plan is not None:
             d.update(model_plan=self.model_plan)
+        if self.stage is not None:
+            d.update(stage=self.stage.to_json())
         return d
 
     @staticmethod
@@ -230,8 +296,11 @@ class RankRecord:
         if not isinstance(inputs, list):
             fail(where, "'forward_inputs' must be a list")
         kinds = [i.get("kind") if isinstance(i, dict) else None for i in inputs]
-        if kinds.count("tokens") != 1 or kinds.count("labels") != 1 or any(k not in INPUT_KINDS for k in kinds):
-            fail(where, "forward inputs must be parameters and buffers plus one tokens and one labels input")
+        stage = None if meta.get("stage") is None else StageIO.from_json(meta["stage"], where)
+        data = {"tokens": 1, "activations": 0, "labels": 1} if stage is None else stage.expected_inputs()
+        if any(k not in INPUT_KINDS for k in kinds) or any(kinds.count(k) != n for k, n in data.items()):
+            wanted = " and ".join(f"one {k}" for k, n in data.items() if n)
+            fail(where, f"forward inputs must be parameters and buffers plus {wanted} input")
         params = meta.get("params")
         if not isinstance(params, list) or len(params) != kinds.count("param"):
             fail(where, "'params' does not match the parameter inputs")
@@ -272,7 +341,7 @@ class RankRecord:
                           backward_outputs=tuple(outs), bucket_plan=tuple(Bucket.from_json(b, where) for b in plan),
                           rank=None if rank is None else check_int(rank, f"{where} rank", 0, 1 << 16),
                           coords=coords, forward_graph=graphs[0], backward_graph=graphs[1], buffers=buffers,
-                          mutated_buffers=mutated, model_plan=model_plan)
+                          mutated_buffers=mutated, model_plan=model_plan, stage=stage)
 
 
 def _checked_buffers(meta: dict, input_fqns: list, where: str) -> tuple[tuple[BufferSpec, ...], tuple[str, ...]]:
@@ -344,6 +413,10 @@ def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.Graph
                                                  or val.get("dtype") != "int64"):
             fail(where, f"the manifest's batch of {batch_shape[0]} x {batch_shape[1]} tokens is not what the "
                         f"forward graph's {inp.kind} input takes ({val})")
+        if inp.kind == "activations" and (not isinstance(val, dict) or val.get("shape") != list(record.stage.input_shape)
+                                          or val.get("dtype") != record.stage.dtype):
+            fail(where, f"stage {record.stage.index} receives {record.stage.dtype} activations of "
+                        f"{list(record.stage.input_shape)}, not what its forward graph takes ({val})")
     _check_vocabulary(record, forward, fw_in, vocab_size, where)
     updates = len(record.mutated_buffers)
     if len(_outputs(forward)) != updates + saved + 1:
@@ -353,6 +426,13 @@ def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.Graph
         fail(where, f"backward graph takes {len(_placeholders(backward))} inputs, expected {saved} saved + 1")
     if len(_outputs(backward)) != len(inputs):
         fail(where, f"backward graph returns {len(_outputs(backward))} values for {len(inputs)} forward inputs")
+    if record.stage is not None and record.stage.output_shape is not None:
+        # What a stage sends is what the next stage's receive buffer is made for: the same shape.
+        val = getattr(_outputs(forward)[updates], "meta", {}).get("titan_val")
+        if (not isinstance(val, dict) or val.get("shape") != list(record.stage.output_shape)
+                or val.get("dtype") != record.stage.dtype):
+            fail(where, f"stage {record.stage.index} sends {record.stage.dtype} activations of "
+                        f"{list(record.stage.output_shape)}, not what its forward graph returns ({val})")
 
 
 def _source(node, steps: int = 32):

@@ -78,8 +78,8 @@ DROP = object()
     ("world_size", 8, "manifest: mesh [['dp_shard', 2], ['tp', 2]] does not multiply to world size 8"),
     ("mesh", [["tp", 2], ["dp_shard", 2]], "manifest: mesh dimensions out of order"),
     ("mesh/0", ["cp", 2], "manifest: bad mesh dimension ['cp', 2]"),
-    # Pipeline artifacts are not built yet: a manifest that claims one is refused, not half-run.
-    ("mesh/0", ["pp", 2], "manifest: pipeline stages (pp 2) are not run by this runtime yet"),
+    # A pipeline without a pp dimension (the other way round: test_pipeline_records.py).
+    ("pipeline", {"schedule": {}, "stage_programs": []}, "manifest: 'pipeline' belongs with a pp mesh dimension"),
     ("layout/tp", 4, "manifest: 'layout' disagrees with 'mesh'"),
     (("files", "../../etc/passwd"), SHA["meta"], "manifest files: '../../etc/passwd' is not a plain relative path inside"),
     (("files", f"graphs/{SHA['forward']}.tgraph"), "not-a-digest", "is not a sha256 digest"),

@@ -1,0 +1,48 @@
+"""A pipeline build's programs: each stage is traced and cached as a build of its own
+(BuildSpec.stage_builds: one program with bindings per stage, on the layout without pp), and the
+artifact puts them together: every stage's programs in one list, the program of each stage on
+each rank of the stage's block, and the schedule every pp rank runs (docs/pipeline.md)."""
+
+from __future__ import annotations
+
+import json
+
+from titan.builder.spec.build_spec import BuildSpec
+from titan.runtime.store.build_cache import Cache
+from titan.runtime.contract.rank_record import StageIO
+
+
+def pipeline_entry(spec: BuildSpec, stage_entries: list[dict], *, cache: Cache, key: str, manifest: dict) -> dict:
+    """The artifact entry (as builder/export/artifact.py exports it) of a pipeline build from its
+    stages' cache entries, in stage order; `manifest`: the pipeline build's manifest fields."""
+    layout = spec.layout
+    per_stage = layout.world_size // layout.pp
+    schedule = spec.pipeline.schedule_record()
+    programs: list[dict] = []
+    stage_programs = []
+    for entry in stage_entries:
+        offset = len(programs)
+        programs += entry["programs"]
+        stage_programs.append([offset + entry["rank_programs"][place] for place in range(per_stage)])
+    _check_neighbours([_stage_io(cache, entry) for entry in stage_entries])
+    rank_programs = [stage_programs[schedule.stage_rank.index(layout.coordinates(rank)["pp"])][rank % per_stage]
+                     for rank in range(layout.world_size)]
+    pipeline = {"schedule": schedule.to_json(), "stage_programs": stage_programs}
+    return {"key": key, "programs": programs, "rank_programs": rank_programs,
+            "manifest": dict(manifest, pipeline=pipeline)}
+
+
+def _stage_io(cache: Cache, entry: dict) -> StageIO:
+    """What a stage's first program says it receives and sends (its programs agree: they are one
+    stage's, told apart only by bindings or rank classes)."""
+    meta = json.loads(cache.read_blob(entry["programs"][0]["meta"]))
+    return StageIO.from_json(meta["stage"], "stage program")
+
+
+def _check_neighbours(stages: list[StageIO]) -> None:
+    """What each stage sends is what the next one receives: the receive buffers are made from the
+    receiving stage's record."""
+    for sender, receiver in zip(stages, stages[1:]):
+        if (sender.output_shape, sender.dtype) != (receiver.input_shape, receiver.dtype):
+            raise AssertionError(f"stage {sender.index} sends {sender.dtype} {list(sender.output_shape)} but stage "
+                                 f"{receiver.index} receives {receiver.dtype} {list(receiver.input_shape)}")

@@ -1,0 +1,91 @@
+"""Eager PyTorch reference of a pipeline artifact: this rank's stages of the same model code
+(builder/models/decoder_stage.py), parallelized over tp and dp-shard as the build's trace does,
+run by PyTorch's own torch.distributed.pipelining (PipelineStage and the schedule class the
+artifact names), with autograd's backward, the schedule's own gradient scaling and torchtitan's
+clipping across stages. titan-verify compares a pipeline artifact against this.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from titan.builder.models.decoder import ScaledTokenLoss
+from titan.builder.models.decoder_stage import DecoderStage
+from titan.builder.models.spec import ModelConfig, ModelSpec
+from titan.builder.trace.parallelize import parallelize
+from titan.cli.tools.eager import _placement, materialize_shards
+from titan.runtime.contract.layout import Layout
+from titan.runtime.contract.pipeline_schedule import PipelineSchedule
+from titan.runtime.pipeline_program import pipeline_loss
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+"""torch's class of each schedule titan builds; the interleaved one takes several stages per rank."""
+
+
+class EagerPipeline:
+    def __init__(self, spec: ModelSpec, cfg: ModelConfig, layout: Layout, rank: int, *, batch_size: int,
+                 seq_len: int, device: torch.device, mesh, seed: int, compute_dtype: torch.dtype,
+                 schedule: PipelineSchedule):
+        with torch.device("meta"):
+            model = spec.build(cfg)
+        model.loss_scale = float(batch_size * seq_len * layout.dp_degree)
+        coords = layout.coordinates(rank)
+        shards = parallelize(model, layout, mesh, coords, tp_plan=spec.tp_plan, expert_param=spec.expert_param,
+                             compute_dtype=compute_dtype)
+        n = schedule.n_stages
+        held = [s for s in range(n) if schedule.stage_rank[s] == coords["pp"]]
+        loss = ScaledTokenLoss(model.loss_scale)
+        self.stages = {s: DecoderStage(model, *schedule.stage_layers[s], first=s == 0, last=s == n - 1,
+                                       seq_len=seq_len, loss_fn=loss) for s in held}
+        for module in self.stages.values():  # only this rank's stages get real weights
+            materialize_shards(module, shards, spec.init_specs(cfg), seed=seed, device=device)
+        self.named_params = [(fqn, p) for s in held for fqn, p in self.stages[s].named_parameters()]
+        self.params = [p for _, p in self.named_params]
+        placements = {shard.fqn: shard.placements for shard in shards}
+        self.placements = [placements[fqn] for fqn, _ in self.named_params]
+        self.first, self.last = 0 in held, n - 1 in held
+        self.device, self.group = device, mesh.get_group("pp")
+        others = tuple(d for d in mesh.mesh_dim_names if d != "pp")
+        self.stage_mesh = mesh[others] if others else None
+        torch_stages = [PipelineStage(self.stages[s], s, n, device, group=self.group) for s in held]
+        schedule_class = SCHEDULE_CLASSES[schedule.schedule]
+        stages_arg = torch_stages if schedule_class is ScheduleInterleaved1F1B else torch_stages[0]
+        self.schedule = schedule_class(stages_arg, n_microbatches=schedule.microbatches, loss_fn=loss)
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One step of the step's micro-batches, as torch's schedule runs it (it splits the
+        concatenated batch back into the same micro-batches and scales the gradients by their
+        count); the step's loss on every pp rank (runtime/pipeline_program.py's pipeline_loss)."""
+        tokens = torch.cat([t for t, _ in batches])
+        labels = torch.cat([lb for _, lb in batches])
+        losses: list[torch.Tensor] = []
+        target = {"target": labels, "losses": losses} if self.last else {}
+        if self.first:
+            self.schedule.step(tokens, **target)
+        else:
+            self.schedule.step(**target)
+        return pipeline_loss(losses if self.last else None, device=self.device, group=self.group)
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """torchtitan's clipping with pipeline stages: the norm of this stage's gradients as
+        DTensors on the stage's mesh (torch.nn.utils.get_total_norm), its square summed over the
+        pipeline, the root, then clip_grads_with_norm_."""
+        grads = [p.grad for p in self.params]
+        if self.stage_mesh is not None:
+            names = self.stage_mesh.mesh_dim_names
+            grads = [DTensor.from_local(g, self.stage_mesh, [_placement(pl.get(d, "R")) for d in names],
+                                        run_check=False) for g, pl in zip(grads, self.placements)]
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        norm = torch.nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = norm ** 2.0
+        torch.distributed.all_reduce(norm, group=self.group)
+        norm = norm ** (1.0 / 2.0)
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
+        return norm

@@ -1,0 +1,118 @@
+"""The pipeline stages this rank runs, from a pipeline artifact's stage programs: each loaded,
+bound and checked like a whole-model program (runtime/rank_graphs.py), its parameters
+materialized, and one training step run as the artifact's schedule says
+(runtime/pipeline_executor.py): every micro-batch of the step through this rank's stages, the
+gradients summed over micro-batches and then divided by their count, as
+torch.distributed.pipelining's schedules do (`scale_grads`).
+
+The step's loss is the mean of the last stage's micro-batch losses, summed in micro-batch order;
+every pp rank gets it (an all-reduce over the pipeline, the others adding zero), so that rank 0,
+which runs the first stage, reports it."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from titan.runtime.buffer_state import BufferState
+from titan.runtime.contract.artifact import Artifact
+from titan.runtime.contract.layout import group_names
+from titan.runtime.contract.memory_estimate import check_device, estimate_from_graphs
+from titan.runtime.contract.rank_record import ParamSpec, RankRecord
+from titan.runtime.init import materialize
+from titan.runtime.kernels.fusion import compile_program_regions
+from titan.runtime.pipeline_executor import run_pipeline_step
+from titan.runtime.pipeline_stage import GraphStage
+from titan.runtime.rank_graphs import load_rank_graphs
+from titan.runtime.startup import rank_phases
+
+
+class PipelineProgram:
+    """This rank's stages (`stages`: stage index -> its program's graphs and record), their
+    parameters (`params`, stage after stage, each stage's in its program's order) and the
+    schedule."""
+
+    def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
+                 load_param: Callable[[ParamSpec], torch.Tensor] | None = None, params_from: str = "seeded init",
+                 artifact_kernels: bool = False):
+        """`artifact_kernels`: whether the artifact's own kernels are trusted (kernels_trusted)."""
+        manifest = artifact.manifest
+        self.schedule = manifest.pipeline.schedule
+        self.layout, self.rank, self.device = artifact.layout, rank, device
+        self.records: dict[int, RankRecord] = {}
+        self.graphs = {}
+        self.fusion = None
+        """The first stage's compiled regions, if it has any (its line is what titan-run prints)."""
+        phases = rank_phases()
+        held = manifest.stages_of(rank)
+        with phases(f"rank {rank}: loading and checking its stage program(s) {', '.join(map(str, held))}",
+                    short="program"):
+            for s in held:
+                record = artifact.rank_record(rank, stage=s)
+                if record.buffers:
+                    raise ValueError(f"{artifact.root} stage {s} updates model buffers, which pipeline stages do "
+                                     "not carry; rebuild it without --pp")
+                forward, backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh), stage=s)
+                # Each micro-batch in flight holds its own saved activations (the schedule's peak).
+                check_device(estimate_from_graphs(record, forward, backward), device,
+                             name=f"{artifact.root} rank {rank} stage {s}")
+                stats = compile_program_regions(forward, backward, device,
+                                                artifact_kernel=artifact.kernel if artifact_kernels else None)
+                self.fusion = self.fusion or stats
+                self.records[s], self.graphs[s] = record, (forward, backward)
+        with phases(f"rank {rank}: materializing its parameters ({params_from})", short="parameters"):
+            load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
+            self.stage_params = {s: [load_param(p) for p in record.params] for s, record in self.records.items()}
+        self.specs = [p for s in held for p in self.records[s].params]
+        self.params = [p for s in held for p in self.stage_params[s]]
+        self.coords = self.records[held[0]].coords
+        self.pp_rank = self.coords["pp"]
+        self.pp_group = mesh.get_group("pp")
+        self.buffers = BufferState(self.records[held[0]], device=device)  # none: stages carry no buffers
+
+    @property
+    def microbatches(self) -> int:
+        return self.schedule.microbatches
+
+    def _stage(self, s: int, tokens: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, ...]) -> GraphStage:
+        record = self.records[s]
+        forward, backward = self.graphs[s]
+        kinds = tuple(i.kind for i in record.forward_inputs if i.kind not in ("param", "buffer"))
+        io = record.stage
+        return GraphStage(forward=forward, backward=backward, params=self.stage_params[s], inputs=kinds, tokens=tokens,
+                          labels=labels, activation_shape=io.input_shape or io.output_shape,
+                          dtype=getattr(torch, io.dtype), device=self.device)
+
+    @torch.no_grad()
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One training step over the step's micro-batches (tokens, labels): sets each
+        parameter's .grad to the mean of its micro-batches' gradients; returns the step's loss
+        (the mean of the micro-batch losses), the same on every pp rank."""
+        assert len(batches) == self.microbatches, (len(batches), self.microbatches)
+        tokens, labels = tuple(t for t, _ in batches), tuple(lb for _, lb in batches)
+        stages = {s: self._stage(s, tokens, labels) for s in self.records}
+        run_pipeline_step(self.schedule, pp_rank=self.pp_rank, stages=stages,
+                          global_rank=lambda p: self.layout.pipeline_peer(self.rank, p))
+        for p in self.params:  # torch.distributed.pipelining's scale_grads: the mean over micro-batches
+            p.grad.div_(self.microbatches)
+        last = self.schedule.n_stages - 1
+        return pipeline_loss([stages[last].losses[m] for m in range(self.microbatches)] if last in stages else None,
+                             device=self.device, group=self.pp_group)
+
+
+def pipeline_loss(losses: list[torch.Tensor] | None, *, device: torch.device, group) -> torch.Tensor:
+    """The step's loss on every pp rank: the mean of the last stage's micro-batch losses (summed
+    in micro-batch order, then divided by their count), given by the rank that holds the last
+    stage (`losses`; None on the others, which add zero). titan's executor and the eager
+    reference of titan-verify report it alike."""
+    if losses is None:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+    else:
+        total = losses[0].detach().clone()
+        for loss in losses[1:]:
+            total = total + loss
+        total = total / len(losses)
+    dist.all_reduce(total, group=group)
+    return total
