@@ -103,13 +103,16 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
 
 def _pipeline_build(spec: BuildSpec, out: Path, *, on_miss, on_stage: Callable[[int, str], None], **kw) -> BuildOutcome:
     """A pipeline build: each stage is a build of its own (traced, or found, in the cache), put
-    together with the schedule (builder/program/stage_programs.py). A rank the progress lines
-    name is a rank of the stage's block: stage s's rank r is global rank s' pp rank's block + r."""
+    together with the schedule (builder/program/stage_programs.py). A run of middle stages of the
+    same size is traced at its ends, and the stages between get the first's programs relabeled
+    (builder/program/stage_relabel.py) when that reproduces the last's trace exactly. A rank the
+    progress lines name is a global rank: the stage's pp rank's block + its rank in the block."""
     from titan.builder.program.stage_programs import pipeline_entry
 
     record = spec.pipeline.schedule_record()
     per_stage = spec.layout.world_size // spec.layout.pp
-    parts = []
+    stage_specs = spec.stage_builds()
+    parts: dict[int, _Cached] = {}
     missed: list[str] = []
 
     def first_miss(stage: int, why: str) -> None:  # one "miss" line for the build, not one per stage
@@ -117,23 +120,88 @@ def _pipeline_build(spec: BuildSpec, out: Path, *, on_miss, on_stage: Callable[[
             on_miss(f"stage {stage}: {why}")
         missed.append(why)
 
-    for stage_spec in spec.stage_builds():
-        s = stage_spec.stage.index
-        block = record.stage_rank[s] * per_stage  # a stage's ranks are named by their global rank
-        said = dict(on_miss=lambda why, s=s: first_miss(s, why),
-                    on_stage=lambda rank, name, block=block: on_stage(block + rank, name),
-                    progress=lambda res, block=block: kw["progress"](replace(res, rank=block + res.rank)))
-        parts.append(_cached_entry(stage_spec, **(kw | said)))
+    def cached(s: int) -> _Cached:
+        if s not in parts:
+            block = record.stage_rank[s] * per_stage  # a stage's ranks are named by their global rank
+            said = dict(on_miss=lambda why: first_miss(s, why),
+                        on_stage=lambda rank, name: on_stage(block + rank, name),
+                        progress=lambda res: kw["progress"](replace(res, rank=block + res.rank)))
+            parts[s] = _cached_entry(stage_specs[s], **(kw | said))
+        return parts[s]
+
+    notes = []
+    for run in _middle_runs(stage_specs):
+        first, last = cached(run[0]), cached(run[-1])
+        if _relabels(kw["cache"], stage_specs[run[0]], first, stage_specs[run[-1]], last):
+            for s in run[1:-1]:
+                parts[s] = _relabeled_entry(stage_specs[s], stage_specs[run[0]], first, cache=kw["cache"],
+                                            on_wait=kw["on_wait"], on_give_up=kw["on_give_up"])
+            notes.append(f"stages {run[1]}-{run[-2]} relabeled from stage {run[0]} (checked against stage {run[-1]})")
+        else:
+            notes.append(f"stages {run[0]}-{run[-1]} traced one by one (stage {run[0]} relabeled is not stage "
+                         f"{run[-1]}'s trace)")
+    for s in range(len(stage_specs)):
+        cached(s)
+    parts_in_order = [parts[s] for s in range(len(stage_specs))]
     factors = build_factors(spec)
     key = digest(factors)
-    entry = pipeline_entry(spec, [p.entry for p in parts], cache=kw["cache"], key=key,
+    entry = pipeline_entry(spec, [p.entry for p in parts_in_order], cache=kw["cache"], key=key,
                            manifest=manifest_fields(spec, factors))
     manifest = export_artifact(kw["cache"], entry, out)
-    reason = "; ".join(f"stage {i}: {p.reason}" for i, p in enumerate(parts) if p.reason)
+    reason = "; ".join(f"stage {i}: {p.reason}" for i, p in enumerate(parts_in_order) if p.reason)
     return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason,
-                        traced=sorted({record.stage_rank[i] * per_stage + r for i, p in enumerate(parts)
+                        traced=sorted({record.stage_rank[i] * per_stage + r for i, p in enumerate(parts_in_order)
                                        for r in p.traced}),
-                        traces=sum(p.traces for p in parts))
+                        traces=sum(p.traces for p in parts_in_order), note="; ".join(notes) if reason else "")
+
+
+def _middle_runs(stage_specs: list[BuildSpec]) -> list[list[int]]:
+    """Runs of at least three consecutive middle stages (neither first nor last) of one size."""
+    runs: list[list[int]] = []
+    for s, stage_spec in enumerate(stage_specs):
+        stage = stage_spec.stage
+        if stage.first or stage.last:
+            continue
+        size = stage.layers[1] - stage.layers[0]
+        prev = runs[-1] if runs else None
+        if prev and prev[-1] == s - 1 and stage_specs[prev[0]].stage.layers[1] - stage_specs[prev[0]].stage.layers[0] == size:
+            prev.append(s)
+        else:
+            runs.append([s])
+    return [run for run in runs if len(run) >= 3]
+
+
+def _relabels(cache: Cache, source_spec: BuildSpec, source: _Cached, target_spec: BuildSpec, target: _Cached) -> bool:
+    from titan.builder.program.stage_relabel import relabels_exactly
+    return relabels_exactly(cache, source.entry["programs"], target.entry["programs"],
+                            shift=target_spec.stage.layers[0] - source_spec.stage.layers[0], stage=target_spec.stage,
+                            init_specs=target_spec.model_spec.init_specs(target_spec.cfg))
+
+
+def _relabeled_entry(spec: BuildSpec, source_spec: BuildSpec, source: _Cached, *, cache: Cache, on_wait,
+                     on_give_up) -> _Cached:
+    """The cache entry of stage `spec`: found, or made from `source`'s programs relabeled."""
+    from titan.builder.program.stage_relabel import relabeled_programs
+
+    factors = build_factors(spec)
+    key = digest(factors)
+    lock = cache.lock(key, on_wait=on_wait, on_give_up=on_give_up)
+    try:
+        entry, reason = cache.get_entry(key)
+        if entry is None:
+            shift = spec.stage.layers[0] - source_spec.stage.layers[0]
+            programs = relabeled_programs(cache, source.entry["programs"], shift=shift, stage=spec.stage,
+                                          init_specs=spec.model_spec.init_specs(spec.cfg))
+            entry = {"key": key, "factors": factors, "ranks": [], "programs": programs,
+                     "rank_programs": source.entry["rank_programs"], "traced_ranks": [], "traces": 0,
+                     "note": f"the programs of pipeline stage {source_spec.stage.index} with block names shifted by "
+                             f"{shift}", "manifest": manifest_fields(spec, factors), "created_ts": time.time()}
+            with interrupt.deferred():
+                cache.put_entry(key, entry)
+        cache.touch(key)
+    finally:
+        lock.release()
+    return _Cached(key=key, entry=entry, reason=reason, traced=[], traces=0)
 
 
 @dataclass(kw_only=True)

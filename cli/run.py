@@ -88,8 +88,11 @@ def _announce(artifact: str, device: str, *, options: dict, **paths):
 
 def describe_build(manifest: Manifest) -> str:
     """'llama3 debug, 2 rank(s) [tp2], batch 2 x seq 128, float32'."""
+    pipeline = manifest.pipeline.schedule if manifest.pipeline is not None else None
     return (f"{manifest.model} {manifest.flavor}, {manifest.world_size} rank(s) [{manifest.layout.tag()}], "
-            f"batch {manifest.batch_size} x seq {manifest.seq_len}, {manifest.dtype}"
+            + (f"{pipeline.schedule} pipeline of {pipeline.n_stages} stages, {pipeline.microbatches} micro-batches of "
+               if pipeline else "batch ")
+            + f"{manifest.batch_size} x seq {manifest.seq_len}, {manifest.dtype}"
             + (f", {manifest.moe_capacity.describe()}" if manifest.moe_capacity is not None else ""))
 
 
@@ -99,7 +102,10 @@ def check_memory(art, device: str) -> str | None:
     from titan.runtime.contract.memory_estimate import check_fits, gpu_memory
 
     gpu = device == "cuda" or (device == "auto" and gpu_memory() is not None)
-    return check_fits([art.rank_record(0)] * art.world_size, gpu=gpu, name=str(art.root))
+    # Every rank of a pp coordinate runs alike: one rank's record stands for its block.
+    per_block = art.world_size // art.layout.pp
+    records = [art.rank_record(pp * per_block) for pp in range(art.layout.pp) for _ in range(per_block)]
+    return check_fits(records, gpu=gpu, name=str(art.root))
 
 
 def _where_to_resume(checkpoint_dir: str) -> None:

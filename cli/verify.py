@@ -71,7 +71,7 @@ def main(artifact, json_path, moe_drop, trust_keys, trust_unsigned_kernels, **va
             from titan.cli.tools.verify import eager_config
             eager_config(art.manifest)  # the eager model can be built (a mistake is one line, not one per rank)
             from titan.runtime.run_state import RunState
-            state = RunState(cfg, art.manifest, art.rank_record(0).params)  # the run's checks (--data), once
+            state = RunState(cfg, art.manifest, art.model_params())  # the run's checks (--data), once
             state.close()
     if not launcher:
         from titan.runtime.distributed import exit_rank

@@ -184,8 +184,11 @@ def dcp_state(params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimi
 
 
 def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer,
-         description: dict, buffers: dict[str, torch.Tensor] | None = None) -> Path:
-    """Collective: every rank calls it. Returns the complete step directory."""
+         description: dict, buffers: dict[str, torch.Tensor] | None = None,
+         described: tuple[ParamSpec, ...] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the complete step directory. `params`: this
+    rank's; `described`: every parameter of the model, which titan.json lists (default `params`:
+    each rank holds a shard of each; a pipeline stage's rank holds only its stages')."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -205,7 +208,8 @@ def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], t
               storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
     if rank0:
         written = dict(description, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, step=step,
-                       optimizer_steps=optimizer.steps, params={p.fqn: list(p.global_shape) for p in params},
+                       optimizer_steps=optimizer.steps,
+                       params={p.fqn: list(p.global_shape) for p in (params if described is None else described)},
                        **({"buffers": {k: list(t.shape) for k, t in buffers.items()}} if buffers else {}),
                        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(partial / STATE_FILE, "w") as f:

@@ -49,7 +49,8 @@ def check_run(art: Artifact, cfg: RunConfig) -> tuple[str, list[str]]:
 
     art.verify_all()
     record = art.rank_record(0)
-    state = RunState(cfg, art.manifest, record.params, buffers=record.buffers)  # every rank's checks, once
+    # Every rank's checks, once (of the whole model's parameters: a pipeline rank holds only its stages').
+    state = RunState(cfg, art.manifest, art.model_params(), buffers=record.buffers)
     state.close()
     if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         from titan.runtime.step_log import TENSORBOARD_HINT

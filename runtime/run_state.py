@@ -52,8 +52,11 @@ class RunState:
 
     def __init__(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...], *,
                  buffers: tuple[BufferSpec, ...] = (),
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, model_params: tuple[ParamSpec, ...] | None = None):
+        """`params`: this rank's; `model_params`: the whole model's, which a checkpoint describes
+        (a pipeline stage's rank holds only its stages': default `params`)."""
         self.cfg, self.manifest, self.params, self.device = cfg, manifest, params, device
+        self.model_params = params if model_params is None else model_params
         self.hf = None
         self.resume_from: Path | None = None
         self.resumed: dict = {}
@@ -93,7 +96,7 @@ class RunState:
                                                           step_dir_ok=False)
             self.resumed = checkpoint.read_state(self.resume_from)
             checkpoint.check_matches(self.resumed, self.resume_from, model_config=manifest.model_config,
-                                     params=params, buffers=buffers)
+                                     params=self.model_params, buffers=buffers)
             checkpoint.check_complete(self.resume_from)
             step = self.resumed["step"]
             if cfg.steps <= step:
@@ -218,4 +221,4 @@ class RunState:
         if not due:
             return None
         return checkpoint.save(cfg.checkpoint_dir, step, params=self.params, tensors=tensors, optimizer=optimizer,
-                               description=self._description(), buffers=buffers)
+                               description=self._description(), buffers=buffers, described=self.model_params)

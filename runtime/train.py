@@ -60,14 +60,6 @@ def op_by_op_update(program: GraphProgram, clip: GlobalNormClip, optimizer: Adam
     return update
 
 
-def rank_params(artifact: Artifact, rank: int) -> tuple[ParamSpec, ...]:
-    """The parameters this rank trains: its program's, or its pipeline stages' one after the other."""
-    stages = artifact.manifest.stages_of(rank)
-    if not stages:
-        return artifact.rank_record(rank).params
-    return tuple(p for s in stages for p in artifact.rank_record(rank, stage=s).params)
-
-
 def make_data(manifest: Manifest, cfg: RunConfig, coords: dict[str, int], *, validation: bool = False):
     """This rank's slice of the training data (or of --val-data)."""
     layout = manifest.layout
@@ -240,10 +232,11 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     # Initial state (seed / --init-from-hf / --resume), checkpoints and the one check of the run's
     # options against the artifact: runtime/run_state.py.
     record = artifact.rank_record(env.rank)
-    params = rank_params(artifact, env.rank)
+    params = artifact.rank_params(env.rank)
     reader = " (importing torch's checkpoint reader)" if cfg.resume or cfg.checkpoint_dir else ""
     with phases(f"rank {env.rank}: checking the run's options and files{reader}", short="checks"):
-        run_state = RunState(cfg, artifact.manifest, params, buffers=record.buffers)
+        run_state = RunState(cfg, artifact.manifest, params, buffers=record.buffers,
+                             model_params=artifact.model_params())
     if startup.STARTED_ENV not in os.environ:  # not spawned by titan-run, which said these already (torchrun)
         for note in run_state.notes:
             _say(env, cfg, None, note)

@@ -51,8 +51,9 @@ def _fmt_arg(a, coords: dict[str, int]) -> str:
     return repr(a)
 
 
-def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
-    rel, meta = getattr(art.rank_entry(rank), kind), art.rank_record(rank)
+def list_graph(art: Artifact, rank: int, kind: str, *, stage: int | None = None) -> list[str]:
+    """`stage`: one of the rank's pipeline stages (default: its only program, or its first stage)."""
+    rel, meta = getattr(art.rank_entry(rank, stage=stage), kind), art.rank_record(rank, stage=stage)
     coords = art.rank_coordinates(rank)
 
     def fmt(a) -> str:
@@ -60,13 +61,16 @@ def list_graph(art: Artifact, rank: int, kind: str) -> list[str]:
 
     doc = read_printable_doc(art.read_verified(rel))
     nodes = doc["nodes"]
-    sha = art.graph_hash(rank, kind)
+    sha = art.graph_hash(rank, kind, stage=stage)
     n_saved = meta.saved_activations
+    io = meta.stage
     if kind == "forward":
         names = [inp.fqn or inp.kind for inp in meta.forward_inputs]
     else:
-        names = [f"saved activation {i}" for i in range(n_saved)] + ["tangent of the loss"]
-    lines = [f"{kind} graph of rank {rank} {meta.coords}: {len(nodes)} nodes, blob {sha[:12]}"]
+        sent = "the loss" if io is None or io.last else "the activations sent on"
+        names = [f"saved activation {i}" for i in range(n_saved)] + [f"tangent of {sent}"]
+    of = "" if io is None else f" stage {io.index} (layers {io.layers[0]}-{io.layers[1] - 1})"
+    lines = [f"{kind} graph of rank {rank}{of} {meta.coords}: {len(nodes)} nodes, blob {sha[:12]}"]
     collectives = 0
     placeholder = 0
     for i, n in enumerate(nodes):
@@ -111,6 +115,11 @@ def list_rank_plan(art: Artifact, rank: int) -> list[str]:
     without experts or buffers."""
     meta = art.rank_record(rank)
     lines = []
+    if art.manifest.pipeline is not None:
+        pp = meta.coords["pp"]
+        lines.append(f"pipeline: this rank is pp rank {pp}, running stage(s) "
+                     f"{', '.join(map(str, art.manifest.stages_of(rank)))}; the schedule of every pp rank:")
+        lines += art.manifest.pipeline.schedule.table()
     experts = [p for p in meta.params if p.placements.get("ep", "R").startswith("S")]
     if experts:
         total, ep = experts[0].global_shape[0], art.layout.ep

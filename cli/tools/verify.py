@@ -24,7 +24,7 @@ from titan.runtime.startup import rank_phases
 from titan.runtime.run_config import RunConfig
 from titan.runtime.pipeline_program import PipelineProgram
 from titan.runtime.train import (GraphProgram, compiles_regions, make_data, make_optimizer,
-                                 make_validation, rank_params, step_functions)
+                                 make_validation, step_functions)
 from titan.runtime.train_loop import StepResults, train_loop
 
 
@@ -113,7 +113,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
                                                           mesh=mesh), log=artifact_steps.append,
                                step_metrics=program.step_metrics if getattr(program, "redo", None) else None,
                                **kw, **({} if m.pipeline is None else {"pipeline_step": program.step}))
-    fqns = [p.fqn for p in rank_params(art, env.rank)]
+    fqns = [p.fqn for p in art.rank_params(env.rank)]
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
     return Verdict(eager=eager_run, artifact=graph_run, device=device, params_differ=differ, params=len(fqns),
                    eager_steps=eager_steps, artifact_steps=artifact_steps)

@@ -11,7 +11,7 @@ from pathlib import Path
 from titan.runtime.contract.checks import ArtifactError
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.manifest import MANIFEST, Manifest, ProgramFiles
-from titan.runtime.contract.rank_record import RankRecord, bind_program
+from titan.runtime.contract.rank_record import ParamSpec, RankRecord, bind_program
 from titan.runtime.common.safe_files import UnsafeFile, loads_json, read_regular
 
 MAX_FILE_BYTES = 1 << 30
@@ -138,6 +138,23 @@ class Artifact:
                                         f"{expected}; rebuild with titan-build")
             self._records[rank, redo, stage] = record
         return self._records[rank, redo, stage]
+
+
+    def rank_params(self, rank: int) -> tuple[ParamSpec, ...]:
+        """The parameters `rank` trains: its program's, or its pipeline stages' one after another."""
+        stages = self.manifest.stages_of(rank)
+        if not stages:
+            return self.rank_record(rank).params
+        return tuple(p for s in stages for p in self.rank_record(rank, stage=s).params)
+
+    def model_params(self) -> tuple[ParamSpec, ...]:
+        """Every parameter of the model, as rank 0 holds its shard (a checkpoint's description
+        lists them all); with pipeline stages, each stage's from the first rank that runs it."""
+        if self.manifest.pipeline is None:
+            return self.rank_record(0).params
+        schedule, per_block = self.manifest.pipeline.schedule, self.world_size // self.layout.pp
+        return tuple(p for s in range(schedule.n_stages)
+                     for p in self.rank_record(schedule.stage_rank[s] * per_block, stage=s).params)
 
 
 def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:
