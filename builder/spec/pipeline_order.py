@@ -7,13 +7,14 @@ The compute order is that of torch.distributed.pipelining's ScheduleGPipe, Sched
 ScheduleInterleaved1F1B and ScheduleZBVZeroBubble (tests/unit/test_pipeline_schedule.py compares
 them). Transfers sit next to the compute they serve: a stage receives a micro-batch's activations
 just before its forward and sends its output right after; gradients the same way round the
-backward (B, or the I of a split one; W transfers nothing). Neighbouring stages on one rank (the
-turn of zbv's V) hand over in memory, with no transfer. zbv is the exception for receives: each
-pair of its ranks exchanges two streams (rank r feeds stage r + 1 forward and stage 2 pp - 2 - r
-backward), whose receives, placed just before their compute, would come in another order than
-their sends; its receives are placed as torch places them (lockstep_transfers). The runtime posts
-sends without waiting, so a receive only waits for a send its peer has already reached
-(PipelineSchedule.check proves it, and that each pair of ranks receives in the order it sends).
+backward (B, or zbv's I; W transfers nothing). zbv places its receives otherwise: its
+neighbouring stages on one rank (the turn of the V) hand over in memory, with no transfer, and
+each pair of its ranks exchanges two streams each way (rank r feeds stage r + 1 forward and
+stage 2 pp - 2 - r backward), whose receives, placed just before their compute, would come in
+another order than their sends; so they are placed as torch places them (lockstep_transfers),
+as soon as the peer sends. The runtime posts sends without waiting, so a receive only waits for a
+send its peer has already reached (PipelineSchedule.check proves it, and that each pair of ranks
+receives in the order it sends).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def interleaved_order(rank: int, *, pp: int, stages_per_rank: int, microbatches:
     return order
 
 
-def zbv_order(rank: int, *, pp: int, microbatches: int) -> list[tuple[int, str, int]]:
+def zbv_order(rank: int, *, pp: int, microbatches: int) -> list[tuple[int, str, int] | None]:
     """(stage, F, I or W, micro-batch) in the order pp rank `rank` runs them in ZB-V (Qi et al.
     2024, "Zero Bubble Pipeline Parallelism", section 6), as torch's ScheduleZBVZeroBubble builds it:
     the rank holds stages r (chunk 0) and 2 pp - 1 - r (chunk 1). A warm-up of chunk-0 forwards,
@@ -108,18 +109,14 @@ def zbv_order(rank: int, *, pp: int, microbatches: int) -> list[tuple[int, str, 
     return [a if a is None or a[2] < microbatches else None for a in order]
 
 
-def with_transfers(order: list[tuple[int, str, int]], *, stage_rank: tuple[int, ...]) -> list[Action]:
-    """The compute order with each receive just before and each send just after its compute; none
-    between neighbouring stages on the same rank."""
-    stages = len(stage_rank)
+def with_transfers(order: list[tuple[int, str, int]], *, stages: int) -> list[Action]:
+    """The compute order (F and B, neighbouring stages on other ranks) with each receive just
+    before and each send just after its compute."""
     actions = []
     for stage, kind, m in order:
-        remote_prev = stage > 0 and stage_rank[stage - 1] != stage_rank[stage]
-        remote_next = stage < stages - 1 and stage_rank[stage + 1] != stage_rank[stage]
-        before = {"F": ("RECV_F",) if remote_prev else (), "B": ("RECV_B",) if remote_next else (),
-                  "I": ("RECV_B",) if remote_next else (), "W": ()}[kind]
-        after = {"F": ("SEND_F",) if remote_next else (), "B": ("SEND_B",) if remote_prev else (),
-                 "I": ("SEND_B",) if remote_prev else (), "W": ()}[kind]
+        first, last = stage == 0, stage == stages - 1
+        before = {"F": () if first else ("RECV_F",), "B": () if last else ("RECV_B",)}[kind]
+        after = {"F": () if last else ("SEND_F",), "B": () if first else ("SEND_B",)}[kind]
         actions += [Action(stage, k, m) for k in (*before, kind, *after)]
     return actions
 
@@ -186,7 +183,7 @@ def pipeline_schedule(schedule: str, *, spans: tuple[tuple[int, int], ...], micr
         orders = [[(s, kind, m) for kind, m in compute_order(schedule, stage=s, stages=stages,
                                                              microbatches=microbatches)] for s in range(stages)]
     return _checked(schedule, spans=spans, microbatches=microbatches, placement=placement,
-                    actions=[with_transfers(order, stage_rank=placement) for order in orders])
+                    actions=[with_transfers(order, stages=stages) for order in orders])
 
 
 def _checked(schedule: str, *, spans, microbatches: int, placement: tuple[int, ...],

@@ -280,7 +280,6 @@ class PipelineSchedule:
         return lines
 
 
-
 def stage_ranks(schedule: str, *, stages: int, pp: int) -> tuple[int, ...] | None:
     """Which pp rank runs each stage (None where the schedule cannot place `stages` on `pp` ranks):
     one stage per rank in order; interleaved, rank r holds stages r, r + pp, ...; zbv's V, rank r
