@@ -4,9 +4,9 @@ one per rank, torchrun style).
     python pipeline_worker.py OUT --case SCHEDULE:MICROBATCHES:SPLIT [--case ...] --steps S [--dp N]
 
 e.g. `--case gpipe:3:3,1`: GPipe, 3 micro-batches, 3 layers on stage 0 and 1 on stage 1;
-`--case interleaved-1f1b:4:1,1,1,1` on 2 ranks: two stages per rank (`zbv:4:1,1,1,1`: two in a V, the
-backward split into I and W). Each case runs in turn in the
-same processes (one start-up for all). With --dp N, the world holds N pipelines (pp outermost)
+`--case interleaved-1f1b:4:1,1,1,1` on 2 ranks: two stages per rank (`zbv:4:1,1,1,1`: two in a
+V, the backward split into I and W). Each case runs in turn in the same processes (one start-up
+for all). With --dp N, the world holds N pipelines (pp outermost)
 reading their own rows of each batch, their gradients averaged over the pipelines.
 
 The rank builds the same seeded model, keeps its stage's layers (builder/models/decoder_stage.py:

@@ -29,8 +29,10 @@ TWO_STAGES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2"), ("interleaved-1f1b", 4, "
 the two at the turn, which hand over in memory)."""
 MODES = ("titan", "graph")
 """titan's executor on eager stages, and on the stages' traced programs read back from their blobs."""
-THREE_STAGES = [("1f1b", 5, "2,1,1"), ("gpipe", 2, "1,2,1")]
-"""A middle stage, which receives and sends both ways; more micro-batches than stages, and fewer."""
+THREE_STAGES = [("1f1b", 5, "2,1,1"), ("gpipe", 2, "1,2,1"), ("zbv", 4, "1,1,1,1,1,1")]
+"""A middle stage, which receives and sends both ways; more micro-batches than stages, and fewer
+(zbv: a middle rank in the V, exchanging two streams each way with both neighbours; 4 micro-batches,
+fewer than the 2 pp - 1 its layout fills, so some of its steps are idle)."""
 
 
 def _run(tmp_path: Path, cases: list[tuple], *, ranks: int, steps: int, dp: int = 1) -> list[list[dict]]:
