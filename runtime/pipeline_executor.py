@@ -10,7 +10,9 @@ transfers progress together). So a rank never waits on a
 send, and a receive waits only for a send its peer posts without waiting: the schedule's check
 (run at build and at load) proves that every rank then reaches its end. Every message carries a
 tag naming its stage, micro-batch and direction (gloo matches by tag; NCCL by order, which the
-check also proves consistent).
+check also proves consistent). Between neighbouring stages on this rank (the turn of zbv's V)
+there is no transfer: a forward's output is the next stage's input, an input gradient the
+previous stage's output gradient, handed over in memory.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Callable, Mapping, Protocol
 import torch
 import torch.distributed as dist
 
-from titan.runtime.contract.pipeline_schedule import Action, PipelineSchedule
+from titan.runtime.contract.pipeline_schedule import COMPUTE, Action, PipelineSchedule
 
 
 class StageRunner(Protocol):
@@ -33,6 +35,14 @@ class StageRunner(Protocol):
     def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Run the stage backward (the last stage from its loss and gets None), adding to its
         parameters' gradients; return the gradient of its input (None from the first stage)."""
+
+    def backward_input(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """A zero-bubble schedule's I: the part of the backward the input gradient needs; return
+        that gradient as backward does. The parameters' gradients wait for backward_weight."""
+
+    def backward_weight(self, microbatch: int) -> None:
+        """A zero-bubble schedule's W: the rest of the micro-batch's backward, adding to the
+        parameters' gradients."""
 
     def input_buffer(self, microbatch: int) -> torch.Tensor:
         """An empty tensor of the stage's input: the received activations land in it."""
@@ -59,7 +69,7 @@ def run_pipeline_step(schedule: PipelineSchedule, *, pp_rank: int, stages: Mappi
     i = 0
     while i < len(actions):
         ops, recv_works = [], []
-        while i < len(actions) and actions[i].kind not in ("F", "B"):
+        while i < len(actions) and actions[i].kind not in COMPUTE:
             a = actions[i]
             key = (a.kind, a.stage, a.microbatch)
             if a.kind.startswith("SEND"):
@@ -87,14 +97,18 @@ def run_pipeline_step(schedule: PipelineSchedule, *, pp_rank: int, stages: Mappi
             break
         a = actions[i]
         stage = stages[a.stage]
-        if a.kind == "F":
-            out = stage.forward(a.microbatch, received.pop(("RECV_F", a.stage, a.microbatch), None))
-            if out is not None:
-                to_send[("SEND_F", a.stage, a.microbatch)] = out
+        if a.kind == "W":
+            stage.backward_weight(a.microbatch)
         else:
-            grad = stage.backward(a.microbatch, received.pop(("RECV_B", a.stage, a.microbatch), None))
-            if grad is not None:
-                to_send[("SEND_B", a.stage, a.microbatch)] = grad
+            # F sends its output to the next stage; B and I their input gradient to the previous.
+            run, recv, send, step = {"F": (stage.forward, "RECV_F", "SEND_F", 1),
+                                     "B": (stage.backward, "RECV_B", "SEND_B", -1),
+                                     "I": (stage.backward_input, "RECV_B", "SEND_B", -1)}[a.kind]
+            out = run(a.microbatch, received.pop((recv, a.stage, a.microbatch), None))
+            if out is not None and schedule.local(a.stage, a.stage + step):  # handed over in memory
+                received[(recv, a.stage + step, a.microbatch)] = out
+            elif out is not None:
+                to_send[(send, a.stage, a.microbatch)] = out
         i += 1
     for work in sends_in_flight:
         work.wait()

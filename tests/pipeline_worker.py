@@ -4,17 +4,21 @@ one per rank, torchrun style).
     python pipeline_worker.py OUT --case SCHEDULE:MICROBATCHES:SPLIT [--case ...] --steps S [--dp N]
 
 e.g. `--case gpipe:3:3,1`: GPipe, 3 micro-batches, 3 layers on stage 0 and 1 on stage 1;
-`--case interleaved-1f1b:4:1,1,1,1` on 2 ranks: two stages per rank. Each case runs in turn in the
-same processes (one start-up for all). With --dp N, the world holds N pipelines (pp outermost)
+`--case interleaved-1f1b:4:1,1,1,1` on 2 ranks: two stages per rank (`zbv:4:1,1,1,1`: two in a
+V, the backward split into I and W). Each case runs in turn in the same processes (one start-up
+for all). With --dp N, the world holds N pipelines (pp outermost)
 reading their own rows of each batch, their gradients averaged over the pipelines.
 
 The rank builds the same seeded model, keeps its stage's layers (builder/models/decoder_stage.py:
 the first stage the embedding, the last the final norm, output and loss) and trains it three
 times from the same weights: with PyTorch's own torch.distributed.pipelining (PipelineStage and
-ScheduleGPipe / Schedule1F1B, "torch"), and with titan's schedule record run by titan's executor
-(runtime/pipeline_executor.py) on the eager stage ("titan") and on the stage's program, traced
-(builder/trace/stage_trace.py), written and read back in the titan graph format ("graph"). Writes OUT/<case index>/rank{r}.safetensors (each step's loss on the last stage, every parameter
-after the last step, for both) and rank{r}.json (the order torch ran forwards and backwards).
+ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble, "torch"), and with
+titan's schedule record run by titan's executor (runtime/pipeline_executor.py) on the eager stage
+("titan") and on the stage's program, traced (builder/trace/stage_trace.py), written and read back
+in the titan graph format ("graph"; zbv's I and W run the program's backward split in two by
+runtime/backward_split.py). Writes OUT/<case index>/rank{r}.safetensors (each step's loss on the
+rank of the last stage, every parameter after the last step, for each mode) and rank{r}.json (the
+order torch ran this rank's forwards and backwards: F, B, I and W).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                   ScheduleZBVZeroBubble)
 
 from titan.builder.models.decoder_stage import DecoderStage, mean_token_loss
 from titan.builder.trace.stage_trace import trace_stage
@@ -41,6 +46,7 @@ from titan.builder.models.llama3.model import Llama3
 from titan.builder.spec.pipeline_order import pipeline_schedule
 from titan.builder.spec.stage_split import layer_spans
 from titan.runtime.contract.layout import Layout
+from titan.runtime.contract.pipeline_schedule import COMPUTE
 from titan.runtime.pipeline_executor import run_pipeline_step
 
 SEQ, MICROBATCH_ROWS = 32, 1
@@ -70,6 +76,14 @@ class EagerStage:
         x, out = self.saved.pop(mb)
         torch.autograd.backward(out, grad_output)
         return None if self.first else x.grad
+
+    # I runs the whole backward on an eager stage and W nothing: a parameter's gradients still add
+    # up per stage in micro-batch order, so this checks the executor's I/W wiring and hand-overs;
+    # the graph mode runs the real split (runtime/backward_split.py).
+    backward_input = backward
+
+    def backward_weight(self, mb):
+        pass
 
     def input_buffer(self, mb):
         return torch.empty(MICROBATCH_ROWS, SEQ, self.dim)
@@ -144,25 +158,16 @@ def run_case(out: Path, place: Place, *, schedule: str, microbatches: int, split
 
     # The order torch's schedule runs this rank's forwards and backwards in its second step (the
     # first also runs each stage once to infer shapes; its IR for 1F1B's last stage is off by one:
-    # tests/unit/test_pipeline_schedule.py).
+    # tests/unit/test_pipeline_schedule.py), as its stages are called.
     order: list[str] = []
     recording = [False]
-
-    def log_forward(stage_index: int):
-        def hook(module, inputs, output):
-            if not recording[0]:
-                return
-            m = sum(a.startswith(f"{stage_index}F") for a in order)
-            order.append(f"{stage_index}F{m}")
-            output.register_hook(lambda grad: order.append(
-                f"{stage_index}B{sum(a.startswith(f'{stage_index}B') for a in order)}"))
-        return hook
-
-    for s, module in theirs.items():
-        module.register_forward_hook(log_forward(s))
     torch_stages = [PipelineStage(theirs[s], s, n, torch.device("cpu"), group=place.pipeline) for s in local]
+    for stage in torch_stages:
+        record_calls(stage, order, recording)
     if schedule == "interleaved-1f1b":
         reference = ScheduleInterleaved1F1B(torch_stages, n_microbatches=microbatches, loss_fn=mean_token_loss)
+    elif schedule == "zbv":
+        reference = ScheduleZBVZeroBubble(torch_stages, n_microbatches=microbatches, loss_fn=mean_token_loss)
     else:
         schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         reference = schedule_class(torch_stages[0], n_microbatches=microbatches, loss_fn=mean_token_loss)
@@ -197,8 +202,33 @@ def run_case(out: Path, place: Place, *, schedule: str, microbatches: int, split
         results.update({f"{name}.param.{fqn}": p.detach().clone() for s in local
                         for fqn, p in modules[s].named_parameters()})
     save_file(results, out / f"rank{dist.get_rank()}.safetensors")
-    ran = [a for a in record.actions[rank] if a.kind in ("F", "B")]
+    ran = [a for a in record.actions[rank] if a.kind in COMPUTE]
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"torch": order, "titan": [str(a) for a in ran]}))
+
+
+def record_calls(stage: PipelineStage, order: list[str], recording: list[bool]) -> None:
+    """Log each forward, backward (B, or I when torch splits it) and weight backward (W) torch's
+    schedule runs on `stage`, as `1F0`, `1I0`, `1W0`, while recording[0]."""
+    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+    def log(kind: str, mb: int) -> None:
+        if recording[0]:
+            order.append(f"{stage.stage_index}{kind}{mb}")
+
+    def forward_one_chunk(mb, *args, **kwargs):
+        log("F", mb)
+        return forward(mb, *args, **kwargs)
+
+    def backward_one_chunk(mb, *args, full_backward: bool = True, **kwargs):
+        log("B" if full_backward else "I", mb)
+        return backward(mb, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(mb, *args, **kwargs):
+        log("W", mb)
+        return weight(mb, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
 def runner(mode: str, module: DecoderStage, program, *, first: bool, last: bool, tokens, labels, microbatches: int,

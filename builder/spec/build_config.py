@@ -31,10 +31,10 @@ class BuildConfig:
     """Pipeline-parallel degree: the layers split into this many stages, one per pp coordinate (llama3, with --dp-shard and --tp); each stage is traced as a program of its own and the schedule is stored in the artifact (docs/pipeline.md)."""
     microbatches: int | None = setting(None, check="positive")
     """Micro-batches per step with --pp, each of --batch-size sequences (default: --pp)."""
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] | None = None
-    """Pipeline schedule with --pp: gpipe (all forwards, then all backwards), 1f1b (default: at most pp - s micro-batches in flight on stage s) or interleaved-1f1b (several stages per rank: a smaller bubble)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] | None = None
+    """Pipeline schedule with --pp: gpipe (all forwards, then all backwards), 1f1b (default: at most pp - s micro-batches in flight on stage s), interleaved-1f1b (several stages per rank: a smaller bubble) or zbv (zero bubble, V-shaped: 2 stages per rank, the backward split into input and weight gradients, the weight part filling the bubble)."""
     pp_stages_per_rank: int | None = setting(None, check="positive")
-    """Stages per pp rank with --pp-schedule interleaved-1f1b (default 2); rank r holds stages r, r + pp, ..."""
+    """Stages per pp rank with --pp-schedule interleaved-1f1b (default 2; rank r holds stages r, r + pp, ...); zbv holds 2 (stages r and 2 pp - 1 - r)."""
     pp_split: str | None = None
     """Transformer blocks per pipeline stage, comma-separated, e.g. 3,1 (default: balanced by cost, the embedding and the output counted)."""
     pp_plan: bool = False

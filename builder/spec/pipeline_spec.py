@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from titan.builder.spec.pipeline_order import interleaved_rounds, pipeline_schedule
 from titan.builder.spec.stage_split import balanced_split, dense_decoder_costs, layer_spans, parse_split
 from titan.runtime.contract.layout import Layout
-from titan.runtime.contract.pipeline_schedule import MAX_ACTIONS, MAX_MICROBATCHES, SCHEDULES, PipelineSchedule
+from titan.runtime.contract.pipeline_schedule import (MAX_ACTIONS, MAX_MICROBATCHES, SCHEDULES, SPLIT_BACKWARD,
+                                                      PipelineSchedule)
 
 PIPELINE_MODELS = ("llama3",)
 """Families whose stage split and stage programs titan knows (a stage cost model each)."""
@@ -42,9 +43,9 @@ class StageSpec:
 @dataclass(kw_only=True, frozen=True)
 class PipelineSpec:
     schedule: str
-    """gpipe, 1f1b or interleaved-1f1b (--pp-schedule)."""
+    """gpipe, 1f1b, interleaved-1f1b or zbv (--pp-schedule)."""
     stages_per_rank: int = 1
-    """Stages per pp rank (--pp-stages-per-rank; above 1 with interleaved-1f1b only)."""
+    """Stages per pp rank (--pp-stages-per-rank; above 1 with interleaved-1f1b, exactly 2 with zbv)."""
     microbatches: int
     """Micro-batches per step, each of the build's --batch-size sequences (--microbatches)."""
     stage_layers: tuple[int, ...]
@@ -63,7 +64,7 @@ class PipelineSpec:
     def tags(self) -> list[str]:
         """Artifact-name parts: `1f1b-mb4` (`interleaved-1f1b-v2-mb4`), and `split-3-1` for a split
         given by hand."""
-        v = f"-v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        v = f"-v{self.stages_per_rank}" if self.schedule == "interleaved-1f1b" else ""  # zbv's 2 go unsaid
         return [f"{self.schedule}{v}-mb{self.microbatches}",
                 *(["split-" + "-".join(map(str, self.stage_layers))] if self.split_given else [])]
 
@@ -94,10 +95,13 @@ def make_pipeline(*, model: str, cfg, layout: Layout, seq_len: int, schedule: st
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown --pp-schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     interleaved = schedule == "interleaved-1f1b"
-    v = (2 if interleaved else 1) if stages_per_rank is None else stages_per_rank
+    v = (2 if schedule in ("interleaved-1f1b", "zbv") else 1) if stages_per_rank is None else stages_per_rank
     if interleaved and v < 2:
         raise ValueError("--pp-schedule interleaved-1f1b needs --pp-stages-per-rank >= 2; raise it or use 1f1b")
-    if not interleaved and v > 1:
+    if schedule == "zbv" and v != 2:
+        raise ValueError(f"--pp-schedule zbv places exactly 2 stages on each rank (rank r holds stages r and "
+                         f"2 pp - 1 - r, a V), not {v}; drop --pp-stages-per-rank or use interleaved-1f1b")
+    if schedule not in ("interleaved-1f1b", "zbv") and v > 1:
         raise ValueError(f"--pp-stages-per-rank {v} needs --pp-schedule interleaved-1f1b; add it or drop "
                          "--pp-stages-per-rank")
     stages = layout.pp * v
@@ -115,7 +119,8 @@ def make_pipeline(*, model: str, cfg, layout: Layout, seq_len: int, schedule: st
     if interleaved and microbatches % rounds:
         raise ValueError(f"--pp-schedule interleaved-1f1b runs micro-batches in rounds of about --pp: --microbatches "
                          f"{microbatches} is not a multiple of its {rounds} rounds; use a multiple of --pp")
-    actions = 6 * stages * microbatches  # at most: forward, backward and four transfers per stage and micro-batch
+    # At most: forward, backward (I and W when split) and four transfers per stage and micro-batch.
+    actions = (7 if schedule in SPLIT_BACKWARD else 6) * stages * microbatches
     if actions > MAX_ACTIONS:
         raise ValueError(f"{stages} stages x --microbatches {microbatches} is up to {actions:,} actions per step, "
                          f"more than a schedule record holds ({MAX_ACTIONS:,}); use fewer micro-batches")

@@ -9,7 +9,12 @@ that the actions are complete, causally ordered and cannot deadlock when sends a
 without waiting and a receive waits only for its own send. Torch-free: titan-show prints it.
 
 An action is written as torch.distributed.pipelining writes its `_Action`s: `1F0` (stage 1,
-forward, micro-batch 0), `0SEND_F3`, `2RECV_B1`.
+forward, micro-batch 0), `0SEND_F3`, `2RECV_B1`. A zero-bubble schedule splits a backward in two:
+`1I0`, the gradient of the stage's input (what the previous stage waits for), where the full
+backward `B` would be, and later `1W0`, its parameters' gradients, filling what would be a bubble.
+
+The format is the same for every schedule: a record written before zbv existed reads unchanged;
+a record of a schedule a runtime does not know (e.g. zbv in an older one) is refused by name.
 """
 
 from __future__ import annotations
@@ -19,18 +24,21 @@ from dataclasses import dataclass
 
 from titan.runtime.contract.checks import check_int, check_str, fail
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 """The schedules titan builds (builder/spec/pipeline_order.py), by their --pp-schedule names."""
-COMPUTE = ("F", "B")
+SPLIT_BACKWARD = ("zbv",)
+"""The schedules that run each backward as I (input gradient) then W (parameter gradients), not B."""
+COMPUTE = ("F", "B", "I", "W")
 SENDS = {"SEND_F": "RECV_F", "SEND_B": "RECV_B"}
 """Each send's matching receive: SEND_F(s, m) feeds RECV_F(s + 1, m); SEND_B(s, m) feeds RECV_B(s - 1, m)."""
 KINDS = (*COMPUTE, *SENDS, *SENDS.values())
 MAX_STAGES = 1024
 MAX_MICROBATCHES = 4096
 MAX_ACTIONS = 1 << 20
-"""Actions over all ranks: 6 per stage and micro-batch at most; bounded before a list is walked."""
+"""Actions over all ranks: 7 per stage and micro-batch at most (forward, I and W, four transfers);
+bounded before a list is walked."""
 
-_ACTION = re.compile(r"(\d{1,4})(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d{1,4})")
+_ACTION = re.compile(r"(\d{1,4})(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d{1,4})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +46,7 @@ class Action:
     stage: int
     """The stage it runs (or sends / receives for)."""
     kind: str
-    """F, B, SEND_F, RECV_F, SEND_B or RECV_B."""
+    """F, B (full backward), I (input gradient), W (parameter gradients), SEND_F, RECV_F, SEND_B or RECV_B."""
     microbatch: int
     """The micro-batch."""
 
@@ -48,7 +56,7 @@ class Action:
     @staticmethod
     def parse(text, where: str) -> Action:
         if not isinstance(text, str) or not (match := _ACTION.fullmatch(text)):
-            fail(where, f"{str(text)[:40]!r} is not a pipeline action (e.g. 1F0, 0SEND_F2)")
+            fail(where, f"{str(text)[:40]!r} is not a pipeline action (e.g. 1F0, 1I0, 0SEND_F2)")
         stage, kind, microbatch = match.groups()
         return Action(int(stage), kind, int(microbatch))
 
@@ -56,21 +64,31 @@ class Action:
 @dataclass(frozen=True, slots=True)
 class PipelineSchedule:
     schedule: str
-    """gpipe, 1f1b or interleaved-1f1b (several stages per pp rank)."""
+    """gpipe, 1f1b, interleaved-1f1b (several stages per pp rank) or zbv (two per rank, in a V)."""
     microbatches: int
     """Micro-batches per step: the rank's batch is split into this many along dim 0."""
     stage_layers: tuple[tuple[int, int], ...]
     """Per stage, the [start, stop) of its transformer blocks; the first stage also holds the
     embedding, the last the final norm, the output projection and the loss."""
     stage_rank: tuple[int, ...]
-    """Per stage, the pipeline coordinate (pp rank) that runs it (s % pp: interleaved schedules
-    give each rank every pp-th stage)."""
+    """Per stage, the pipeline coordinate (pp rank) that runs it: the schedule's placement
+    (stage_ranks)."""
     actions: tuple[tuple[Action, ...], ...]
     """Per pipeline coordinate, its actions for one step, in the order they run."""
 
     @property
     def n_stages(self) -> int:
         return len(self.stage_layers)
+
+    @property
+    def backward_kinds(self) -> tuple[str, ...]:
+        """What runs a stage's backward of one micro-batch: B, or I then W (SPLIT_BACKWARD)."""
+        return ("I", "W") if self.schedule in SPLIT_BACKWARD else ("B",)
+
+    def local(self, stage: int, neighbour: int) -> bool:
+        """Whether `neighbour` (stage +- 1) exists and runs on the same rank as `stage`: then what
+        passes between them is handed over in memory, with no transfer (zbv's turn of the V)."""
+        return 0 <= neighbour < self.n_stages and self.stage_rank[neighbour] == self.stage_rank[stage]
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "microbatches": self.microbatches,
@@ -118,12 +136,14 @@ class PipelineSchedule:
         if stop != n_layers:
             fail(where, f"the stages hold {stop} layers, the model has {n_layers}")
         last = self.n_stages - 1
-        for s in range(last):
-            if self.stage_rank[s] == self.stage_rank[s + 1]:
-                fail(where, f"stages {s} and {s + 1} are both on pp rank {self.stage_rank[s]}; neighbouring stages "
-                            "exchange activations, so they must be on different ranks")
+        pp = len(self.actions)
+        if (placement := stage_ranks(self.schedule, stages=self.n_stages, pp=pp)) is None:
+            fail(where, f"{self.schedule} cannot place {self.n_stages} stages on {pp} pp ranks")
+        if self.stage_rank != placement:
+            fail(where, f"stage_rank {list(self.stage_rank)[:16]} is not {self.schedule}'s placement of "
+                        f"{self.n_stages} stages on {pp} pp ranks ({list(placement)[:16]})")
         # What a complete step needs is bounded as the record is, before any set of it is made.
-        needed = self.microbatches * sum(len(_kinds(s, last)) for s in range(self.n_stages))
+        needed = self.microbatches * sum(len(self._kinds(s)) for s in range(self.n_stages))
         if needed > MAX_ACTIONS:
             fail(where, f"{self.n_stages} stages x {self.microbatches} micro-batches need {needed:,} actions, more than "
                         f"{MAX_ACTIONS:,}")
@@ -132,23 +152,52 @@ class PipelineSchedule:
             for a in rank:
                 if a.stage > last or self.stage_rank[a.stage] != r:
                     fail(where, f"rank {r} runs {a}, a stage it does not hold")
-                if a.kind not in _kinds(a.stage, last):
+                if a.kind not in self._kinds(a.stage):
                     fail(where, f"rank {r} runs {a}, which stage {a.stage} has no use for")
                 if a.microbatch >= self.microbatches:
                     fail(where, f"{a}: micro-batch out of range (the step has {self.microbatches})")
                 if (a.kind, a.stage, a.microbatch) in seen:
                     fail(where, f"rank {r} runs {a} twice")
-                for need in _requires(a, last):
+                for need in self._requires(a):
                     if need not in seen:
                         fail(where, f"rank {r} runs {a} before {need[1]}{need[0]}{need[2]}")
                 seen.add((a.kind, a.stage, a.microbatch))
             owned = [s for s in range(self.n_stages) if self.stage_rank[s] == r]
-            expected = {(k, s, m) for s in owned for m in range(self.microbatches) for k in _kinds(s, last)}
+            expected = {(k, s, m) for s in owned for m in range(self.microbatches) for k in self._kinds(s)}
             if missing := sorted(expected - seen):
                 kind, stage, mb = missing[0]
                 fail(where, f"rank {r} never runs {stage}{kind}{mb}")
         self._check_deadlock_free(where)
         self._check_pairs_in_order(where)
+
+    def _kinds(self, stage: int) -> tuple[str, ...]:
+        """The actions a stage runs for each micro-batch: its forward, its backward (B, or I and W)
+        and a transfer each way to each neighbour on another rank."""
+        prev, nxt = stage - 1, stage + 1
+        return ("F", *self.backward_kinds,
+                *(("RECV_F", "SEND_B") if prev >= 0 and not self.local(stage, prev) else ()),
+                *(("SEND_F", "RECV_B") if nxt < self.n_stages and not self.local(stage, nxt) else ()))
+
+    def _requires(self, a: Action) -> tuple[tuple[str, int, int], ...]:
+        """The actions of the same rank that must come before `a`. A neighbour on the same rank
+        hands over in memory: its forward (or input gradient) must have run instead of a receive."""
+        s, m, kind = a.stage, a.microbatch, a.kind
+        backward = self.backward_kinds[0]  # B, or I: what yields the stage's input gradient
+        if kind == "F":
+            if s == 0:
+                return ()
+            return (("F", s - 1, m),) if self.local(s, s - 1) else (("RECV_F", s, m),)
+        if kind in ("B", "I"):
+            if s == self.n_stages - 1:
+                return (("F", s, m),)
+            return (("F", s, m), (backward, s + 1, m) if self.local(s, s + 1) else ("RECV_B", s, m))
+        if kind == "W":
+            return (("I", s, m),)
+        if kind == "SEND_F" or kind == "RECV_B":
+            return (("F", s, m),)
+        if kind == "SEND_B":
+            return ((backward, s, m),)
+        return ()
 
     def peer(self, a: Action) -> int:
         """The pp rank a transfer goes to or comes from."""
@@ -200,11 +249,12 @@ class PipelineSchedule:
             fail(where, f"the schedule deadlocks ({stuck})")
 
     def in_flight(self, stage: int) -> int:
-        """The most micro-batches whose forward ran on `stage` and whose backward has not: how many
+        """The most micro-batches whose forward ran on `stage` and whose backward has not finished
+        (B, or W of a split one: between I and W a micro-batch still holds what W reads): how many
         micro-batches' saved activations the stage holds at its peak."""
         held = peak = 0
         for a in self.actions[self.stage_rank[stage]]:
-            if a.stage == stage and a.kind in COMPUTE:
+            if a.stage == stage and a.kind in ("F", self.backward_kinds[-1]):
                 held += 1 if a.kind == "F" else -1
                 peak = max(peak, held)
         return peak
@@ -214,7 +264,7 @@ class PipelineSchedule:
         with several stages per rank, the activations the rank holds at its peak, in stage-micro-batches."""
         held = peak = 0
         for a in self.actions[rank]:
-            if a.kind in COMPUTE:
+            if a.kind in ("F", self.backward_kinds[-1]):
                 held += 1 if a.kind == "F" else -1
                 peak = max(peak, held)
         return peak
@@ -230,20 +280,13 @@ class PipelineSchedule:
         return lines
 
 
-def _kinds(stage: int, last: int) -> tuple[str, ...]:
-    """The actions a stage runs for each micro-batch."""
-    return ("F", "B", *(("RECV_F", "SEND_B") if stage > 0 else ()), *(("SEND_F", "RECV_B") if stage < last else ()))
-
-
-def _requires(a: Action, last: int) -> tuple[tuple[str, int, int], ...]:
-    """The actions of the same rank that must come before `a`."""
-    s, m, kind = a.stage, a.microbatch, a.kind
-    if kind == "F":
-        return (("RECV_F", s, m),) if s > 0 else ()
-    if kind == "B":
-        return (("F", s, m), ("RECV_B", s, m)) if s < last else (("F", s, m),)
-    if kind == "SEND_F" or kind == "RECV_B":
-        return (("F", s, m),)
-    if kind == "SEND_B":
-        return (("B", s, m),)
-    return ()
+def stage_ranks(schedule: str, *, stages: int, pp: int) -> tuple[int, ...] | None:
+    """Which pp rank runs each stage (None where the schedule cannot place `stages` on `pp` ranks):
+    one stage per rank in order; interleaved, rank r holds stages r, r + pp, ...; zbv's V, rank r
+    holds stages r and 2 pp - 1 - r (the first and the last stage on rank 0, and the turn of the V,
+    stages pp - 1 and pp, both on rank pp - 1)."""
+    if schedule == "zbv":
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(stages)) if stages == 2 * pp else None
+    if schedule == "interleaved-1f1b":
+        return tuple(s % pp for s in range(stages)) if stages % pp == 0 and stages > pp else None
+    return tuple(range(stages)) if stages == pp else None

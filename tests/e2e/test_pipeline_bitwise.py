@@ -1,10 +1,11 @@
 """titan's pipeline executor (runtime/pipeline_executor.py) running the build's schedule record
 is bitwise equal to PyTorch's own torch.distributed.pipelining (PipelineStage with ScheduleGPipe /
-Schedule1F1B) on the same stage split: every step's micro-batch losses and every parameter on
-every rank after a few AdamW steps, on gloo ranks, both on eager stages and on the stages'
-traced programs (builder/trace/stage_trace.py, read back from the titan graph format by
-runtime/pipeline_stage.py); and each rank runs its forwards and backwards in the order torch's
-schedule does. (titan-build does not put stage programs into artifacts yet.)"""
+Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble) on the same stage split: every
+step's micro-batch losses and every parameter on every rank after a few AdamW steps, on gloo
+ranks, both on eager stages and on the stages' traced programs (builder/trace/stage_trace.py,
+read back from the titan graph format by runtime/pipeline_stage.py; zbv's split backward cut from
+them by runtime/backward_split.py); and each rank runs its forwards and backwards (B, or I and W)
+in the order torch's schedule does. (titan-build does not put stage programs into artifacts yet.)"""
 
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ from processes import torchrun_envs
 WORKER = Path(__file__).resolve().parents[1] / "pipeline_worker.py"
 
 
-TWO_STAGES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2"), ("interleaved-1f1b", 4, "1,1,1,1")]
-"""(schedule, micro-batches, layers per stage) on 2 ranks: an uneven split, the three schedules
-(interleaved: two stages per rank)."""
+TWO_STAGES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2"), ("interleaved-1f1b", 4, "1,1,1,1"), ("zbv", 5, "2,1,1,2")]
+"""(schedule, micro-batches, layers per stage) on 2 ranks: an uneven split, the four schedules
+(interleaved: two stages per rank; zbv: two in a V, rank 0 holding the first and the last, rank 1
+the two at the turn, which hand over in memory)."""
 MODES = ("titan", "graph")
 """titan's executor on eager stages, and on the stages' traced programs read back from their blobs."""
-THREE_STAGES = [("1f1b", 5, "2,1,1"), ("gpipe", 2, "1,2,1")]
-"""A middle stage, which receives and sends both ways; more micro-batches than stages, and fewer."""
+THREE_STAGES = [("1f1b", 5, "2,1,1"), ("gpipe", 2, "1,2,1"), ("zbv", 4, "1,1,1,1,1,1")]
+"""A middle stage, which receives and sends both ways; more micro-batches than stages, and fewer
+(zbv: a middle rank in the V, exchanging two streams each way with both neighbours; 4 micro-batches,
+fewer than the 2 pp - 1 its layout fills, so some of its steps are idle)."""
 
 
 def _run(tmp_path: Path, cases: list[tuple], *, ranks: int, steps: int, dp: int = 1) -> list[list[dict]]:
@@ -59,7 +63,7 @@ def test_the_executor_runs_each_schedule_bitwise_as_torch_pipelining_does(ranks,
             for mode in MODES:
                 assert params and all(torch.equal(result[f"torch.param.{p}"], result[f"{mode}.param.{p}"])
                                       for p in params), f"{schedule} {mode}: rank {rank}"
-        last = per_rank[-1]
+        last = next(result for result in per_rank if "torch.loss.0" in result)  # the last stage's rank
         losses = [last[f"torch.loss.{s}"] for s in range(steps)]
         assert all(loss.shape == (microbatches,) for loss in losses) and not torch.equal(losses[0], losses[-1])
         for mode in MODES:

@@ -8,13 +8,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                   ScheduleZBVZeroBubble, _add_send_recv)
 
 from titan.builder.models.llama3.config import FLAVORS
 from titan.builder.spec.pipeline_order import interleaved_rounds, pipeline_schedule
 from titan.builder.spec.stage_split import balanced_split, dense_decoder_costs, layer_spans, parse_split
 from titan.runtime.contract.checks import ArtifactCheckError
-from titan.runtime.contract.pipeline_schedule import Action, PipelineSchedule
+from titan.runtime.contract.pipeline_schedule import COMPUTE, Action, PipelineSchedule
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -57,6 +58,57 @@ def test_each_ranks_interleaved_order_is_torch_pipelinings(pp, per_rank, microba
                   if a is not None]
         assert [str(a) for a in record.actions[rank] if a.kind in ("F", "B")] == theirs
         assert {a.stage for a in record.actions[rank]} == set(range(rank, pp * per_rank, pp))
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 1), (2, 2), (2, 4), (2, 5), (3, 2), (3, 5), (3, 9), (4, 7),
+                                               (4, 8), (8, 15), (8, 32)])
+def test_each_ranks_zbv_order_and_transfers_are_torch_pipelinings(pp, microbatches):
+    record = pipeline_schedule("zbv", spans=layer_spans((1,) * (2 * pp)), microbatches=microbatches,
+                               stages_per_rank=2)
+    # The schedule's own generator, for each rank (it reads these attributes of the schedule).
+    state = SimpleNamespace(pp_group_size=pp, _n_microbatches=microbatches, num_stages=2 * pp)
+    compute = {r: ScheduleZBVZeroBubble._calculate_single_rank_operations(state, r) for r in range(pp)}
+    # And torch's lowering of it to transfers (the one ScheduleZBVZeroBubble runs).
+    full = _add_send_recv({r: list(a) for r, a in compute.items()}, stage_to_rank=lambda s: record.stage_rank[s],
+                          num_stages=2 * pp)
+    for rank in range(pp):
+        assert [str(a) for a in record.actions[rank] if a.kind in COMPUTE] == [str(a) for a in compute[rank] if a]
+        assert [str(a) for a in record.actions[rank]] == [str(a) for a in full[rank]]
+        # The V: rank r holds stages r and 2 pp - 1 - r, and runs I and W for each, never B.
+        assert {a.stage for a in record.actions[rank]} == {rank, 2 * pp - 1 - rank}
+        assert {a.kind for a in record.actions[rank] if a.kind in COMPUTE} == {"F", "I", "W"}
+    # The turn of the V (stages pp - 1 and pp, both on rank pp - 1) hands over in memory.
+    assert not any(a.kind.startswith(("SEND", "RECV")) and a.stage in (pp - 1, pp) and
+                   (a.stage, a.kind) in ((pp - 1, "SEND_F"), (pp, "RECV_F"), (pp, "SEND_B"), (pp - 1, "RECV_B"))
+                   for a in record.actions[pp - 1])
+    assert PipelineSchedule.from_json(record.to_json(), "x", n_layers=2 * pp, pp=pp) == record
+
+
+def _zbv(change) -> dict:
+    d = pipeline_schedule("zbv", spans=layer_spans((1,) * 4), microbatches=2, stages_per_rank=2).to_json()
+    change(d)
+    return d
+
+
+@pytest.mark.parametrize("change, message", [
+    # W before its I; W with no I at all; B where the schedule splits the backward.
+    (lambda d: _swap(d["actions"][0], "3I0", "3W0"), "rank 0 runs 3W0 before 3I0"),
+    (lambda d: d["actions"][0].remove("3I1"), "rank 0 runs 3SEND_B1 before 3I1"),
+    (lambda d: d["actions"][0].remove("0W1"), "rank 0 never runs 0W1"),
+    (lambda d: d["actions"][0].__setitem__(d["actions"][0].index("3I0"), "3B0"), "which stage 3 has no use for"),
+    # I where B would be: after its forward and the gradient it needs (here handed over in memory
+    # by stage 2's I on the same rank).
+    (lambda d: _swap(d["actions"][1], "1I0", "2I0"), "rank 1 runs 1I0 before 2I0"),
+    (lambda d: _swap(d["actions"][1], "2F0", "1F0"), "rank 1 runs 2F0 before 1F0"),
+    # No transfer between the stages at the turn of the V.
+    (lambda d: d["actions"][1].insert(d["actions"][1].index("1F0") + 1, "1SEND_F0"), "which stage 1 has no use for"),
+    (lambda d: d.__setitem__("stage_rank", [0, 1, 0, 1]), r"is not zbv's placement of 4 stages on 2 pp ranks "
+                                                          r"\(\[0, 1, 1, 0\]\)"),
+    # Receives in another order than the sends (causal, and tags would match them; NCCL would not).
+    (lambda d: _swap(d["actions"][1], "1RECV_F0", "1RECV_F1"), "in another order than it sends"),
+])
+def test_a_zbv_record_with_a_misplaced_split_backward_is_one_line(change, message):
+    _refused(_zbv(change), message)
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 4), (4, 8)])
@@ -111,12 +163,15 @@ def _swap(actions: list, a: str, b: str) -> None:
                                                                             "0SEND_F1")), "deadlocks"),
     (lambda d: d["stage_layers"].__setitem__(1, [3, 4]), "consecutive, non-empty"),
     (lambda d: d["stage_layers"].__setitem__(1, [2, 3]), "the model has 4"),
-    (lambda d: d.__setitem__("schedule", "zbv"), "unknown schedule"),
+    (lambda d: d.__setitem__("schedule", "zb-h1"), "unknown schedule"),
+    (lambda d: d.__setitem__("schedule", "zbv"), "zbv cannot place 2 stages on 2 pp ranks"),
     (lambda d: d.__setitem__("microbatches", 1 << 40), "microbatches"),
     (lambda d: d["actions"].append([]), "one list per pipeline rank"),
     (lambda d: d["actions"][0].extend(["0F0"] * (1 << 20)), "more than"),
     (lambda d: d.pop("stage_rank"), "needs exactly"),
-    (lambda d: d.__setitem__("stage_rank", [1, 1]), "both on pp rank 1"),
+    (lambda d: d.__setitem__("stage_rank", [1, 1]), r"stage_rank \[1, 1\] is not 1f1b's placement of 2 stages on 2 pp "
+                                                    r"ranks \(\[0, 1\]\)"),
+    (lambda d: d["actions"][1].__setitem__(d["actions"][1].index("1B0"), "1I0"), "runs 1I0, which stage 1 has no use"),
 ])
 def test_a_record_titan_build_would_not_write_is_one_line(change, message):
     _refused(_mutated(change), message)

@@ -31,7 +31,12 @@ FOUR_LAYERS = DEBUG | dict(shape={"n_layers": 4})
                                  "--dp-replicate or --pp"),
     (dict(pp=2, microbatches=1), "--pp-schedule 1f1b needs --microbatches >= --pp (1 < 2): its warm-up fills every "
                                  "stage; raise --microbatches or use --pp-schedule gpipe"),
-    (dict(pp=2, pp_schedule="zbv"), "unknown --pp-schedule 'zbv'; use one of gpipe, 1f1b, interleaved-1f1b"),
+    (dict(pp=2, pp_schedule="zb-h1"), "unknown --pp-schedule 'zb-h1'; use one of gpipe, 1f1b, interleaved-1f1b, zbv"),
+    (dict(pp=2, pp_schedule="zbv"), "--pp 2 x --pp-stages-per-rank 2 needs at least 4 layers (one per stage); the "
+                                    "model has 2: use fewer stages or more --n-layers"),
+    (dict(pp=2, pp_schedule="zbv", pp_stages_per_rank=3, shape={"n_layers": 6}),
+     "--pp-schedule zbv places exactly 2 stages on each rank (rank r holds stages r and 2 pp - 1 - r, a V), not 3; "
+     "drop --pp-stages-per-rank or use interleaved-1f1b"),
     (dict(pp=2, pp_split="1,3"), "--pp-split '1,3' holds 4 layers; the model has 2"),
     (dict(pp=64, microbatches=4096, shape={"n_layers": 64}),
      "64 stages x --microbatches 4096 is up to 1,572,864 actions per step, more than a schedule record holds "
@@ -67,5 +72,9 @@ def test_a_pipelines_schedule_micro_batches_and_split_are_in_its_key_and_name():
     assert given.name.endswith("-pp2-gpipe-mb3-split-3-1") and given.pipeline.schedule_record().in_flight(0) == 3
     interleaved = make_spec(**(FOUR_LAYERS | dict(pp=2, pp_schedule="interleaved-1f1b")))
     assert interleaved.name.endswith("-pp2-interleaved-1f1b-v2-mb2") and interleaved.pipeline.stage_layers == (1,) * 4
+    zbv = make_spec(**(FOUR_LAYERS | dict(pp=2, pp_schedule="zbv", microbatches=3)))
+    assert zbv.name.endswith("-pp2-zbv-mb3") and zbv.pipeline.stage_layers == (1,) * 4
+    assert zbv.pipeline.schedule_record().stage_rank == (0, 1, 1, 0)
+    assert build_factors(zbv)["pipeline"] != build_factors(interleaved)["pipeline"]
     assert build_factors(interleaved)["pipeline"]["stages per rank"] == 2
     assert interleaved.pipeline.schedule_record().stage_rank == (0, 1, 0, 1)
