@@ -71,18 +71,20 @@ class PipelineProgram:
         self.pp_rank = self.coords["pp"]
         self.pp_group = mesh.get_group("pp")
         self.buffers = BufferState(self.records[held[0]], device=device)  # none: stages carry no buffers
+        # Made once: a zero-bubble schedule's split of each backward is cut on first use and kept.
+        self.stages = {s: self._stage(s) for s in held}
 
     @property
     def microbatches(self) -> int:
         return self.schedule.microbatches
 
-    def _stage(self, s: int, tokens: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, ...]) -> GraphStage:
+    def _stage(self, s: int) -> GraphStage:
         record = self.records[s]
         forward, backward = self.graphs[s]
         kinds = tuple(i.kind for i in record.forward_inputs if i.kind not in ("param", "buffer"))
         io = record.stage
-        return GraphStage(forward=forward, backward=backward, params=self.stage_params[s], inputs=kinds, tokens=tokens,
-                          labels=labels, activation_shape=io.input_shape or io.output_shape,
+        return GraphStage(forward=forward, backward=backward, params=self.stage_params[s], inputs=kinds, tokens=(),
+                          labels=(), activation_shape=io.input_shape or io.output_shape,
                           dtype=getattr(torch, io.dtype), device=self.device)
 
     @torch.no_grad()
@@ -91,8 +93,10 @@ class PipelineProgram:
         parameter's .grad to the mean of its micro-batches' gradients; returns the step's loss
         (the mean of the micro-batch losses), the same on every pp rank."""
         assert len(batches) == self.microbatches, (len(batches), self.microbatches)
-        tokens, labels = tuple(t for t, _ in batches), tuple(lb for _, lb in batches)
-        stages = {s: self._stage(s, tokens, labels) for s in self.records}
+        stages = self.stages
+        for stage in stages.values():
+            stage.tokens, stage.labels = tuple(t for t, _ in batches), tuple(lb for _, lb in batches)
+            stage.losses.clear()
         run_pipeline_step(self.schedule, pp_rank=self.pp_rank, stages=stages,
                           global_rank=lambda p: self.layout.pipeline_peer(self.rank, p))
         for p in self.params:  # torch.distributed.pipelining's scale_grads: the mean over micro-batches

@@ -11,7 +11,8 @@ import logging
 
 import torch
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                    ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor
 
 from titan.builder.models.decoder import ScaledTokenLoss
@@ -23,8 +24,11 @@ from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.pipeline_schedule import PipelineSchedule
 from titan.runtime.pipeline_program import pipeline_loss
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
-"""torch's class of each schedule titan builds; the interleaved one takes several stages per rank."""
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+                    "zbv": ScheduleZBVZeroBubble}
+"""torch's class of each schedule titan builds."""
+SINGLE_STAGE = (ScheduleGPipe, Schedule1F1B)
+"""The classes that take one stage per rank (the others take the rank's list of stages)."""
 
 
 class EagerPipeline:
@@ -54,7 +58,7 @@ class EagerPipeline:
         self.stage_mesh = mesh[others] if others else None
         torch_stages = [PipelineStage(self.stages[s], s, n, device, group=self.group) for s in held]
         schedule_class = SCHEDULE_CLASSES[schedule.schedule]
-        stages_arg = torch_stages if schedule_class is ScheduleInterleaved1F1B else torch_stages[0]
+        stages_arg = torch_stages[0] if schedule_class in SINGLE_STAGE else torch_stages
         self.schedule = schedule_class(stages_arg, n_microbatches=schedule.microbatches, loss_fn=loss)
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
