@@ -27,8 +27,8 @@ def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError("--kernels compiles the fusion kernels on a GPU and none is visible here; run titan-build "
-                         "--kernels on one GPU of the kind the job will use (the build itself needs none)")
+        raise ValueError("--kernels compiles the fusion kernels on a GPU and none is visible here; name the GPU the "
+                         "job will use (--gpu h100 or h200: built without one) or run titan-build --kernels on one")
     from titan.runtime.contract.graph_decode import load_graph, region_kinds
     from titan.runtime.kernels.fusion import FusionStats, KernelSources, compile_regions
     from titan.runtime.store.kernel_store import KernelStore

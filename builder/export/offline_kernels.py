@@ -159,10 +159,10 @@ def _compile(sources: dict[str, str], kernels: dict[str, _Kernel], recorder: _La
         autotuner.precompile(warm_cache_only=True)
         results = autotuner.compile_results
         if len(results) != 1:
-            raise Unplannable(f"{name} has {len(results)} configs: choosing one is a timing on the device")
+            raise Unplannable("a kernel has several configs (choosing one is a timing on the device)")
         (result,) = results
         if not isinstance(result, StaticTritonCompileResult):
-            raise Unplannable(f"{name} cannot be launched by the static launcher")
+            raise Unplannable("a kernel cannot be launched by torch's static launcher")
         recorder.add(result.kernel)
         autotuner.launchers = [result.make_launcher()]
         kernels[name].autotuner = autotuner
