@@ -28,6 +28,7 @@ byte-identical plans, titan-verify --deterministic bitwise).
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from unittest import mock
 
@@ -36,7 +37,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan.builder.export.gpu_target import GpuTarget
-from titan.runtime.kernels.plan_recorder import Unplannable, _plan, _random_input
+from titan.runtime.kernels.plan_recorder import Unplannable, plan_from_launches, random_input
 
 _ALLOCATIONS = frozenset({"aten.empty_strided.default", "aten.empty.memory_format"})
 """What the wrapper may do besides launching kernels: allocate buffers, and take views (ops that
@@ -142,7 +143,8 @@ def _generate(sub: fx.GraphModule, layouts: list[dict], settings: dict):
                                               lambda self: None))
         folder = joint_graph.UniformValueConstantFolder
         stack.enter_context(mock.patch.object(folder, "_deduce_value", _fold_on_host(folder._deduce_value)))
-        stack.enter_context(mock.patch("torch._inductor.standalone_compile.log"))  # "artifact generation failed"
+        # It warns that it saved no cache artifacts (their kernels are the stand-ins): nothing to save.
+        stack.enter_context(mock.patch.object(logging.getLogger("torch._inductor.standalone_compile"), "disabled", True))
         compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
     if len(modules) != 1:
         raise Unplannable(f"inductor loaded {len(modules)} wrappers for the region")
@@ -173,7 +175,7 @@ def _launches(compiled, module, layouts: list[dict]):
     memory: (its outputs, its inputs); the launches go to the kernels' recorder."""
     module.empty_strided_cuda = lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype)
     module.get_raw_stream = lambda index: 0
-    inputs = [_random_input(v, torch.device("cpu")) for v in layouts]
+    inputs = [random_input(v, torch.device("cpu")) for v in layouts]
     with _HostOnly():
         outs = compiled(*inputs)
     return outs, inputs
@@ -187,14 +189,15 @@ def derive_plan(sub: fx.GraphModule, layouts: list[dict], kind: str, target: Gpu
     from titan.runtime.kernels.kernel_plan import BadPlan, decode_plan, encode_plan
 
     recorder = _LaunchRecorder()
-    with standin_gpu(target), reproducible_cubins():
+    reproducible_cubins()
+    with standin_gpu(target):
         settings = compile_settings(kind)
         compiled, sources, kernels, module = _generate(sub, layouts, settings)
         import torch._inductor.config as inductor_config
         with inductor_config.patch(settings):
             _compile(sources, kernels, recorder)
             outs, inputs = _launches(compiled, module, layouts)
-    data = encode_plan(_plan(recorder.launches, outs, inputs, recorder))
+    data = encode_plan(plan_from_launches(recorder.launches, outs, inputs, recorder))
     try:
         decode_plan(data)
     except BadPlan as e:

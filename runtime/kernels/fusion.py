@@ -31,11 +31,11 @@ exist on GPUs only: on the CPU, --fuse regions are compiled at every run.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
 import operator
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -255,22 +255,12 @@ def compile_settings(kind: str) -> dict[str, bool]:
                        if hasattr(inductor_config, name)}
 
 
-@contextlib.contextmanager
-def reproducible_cubins():
-    """Cubins without line info: Triton's line info names the generated source's path, which is
-    under the compiling user's private cache, so the same kernel compiled by two users (or a
-    build host and a GPU host) would differ in bytes. Without it they are byte-identical."""
-    try:
-        from triton import knobs
-    except ImportError:  # no Triton (a CPU build of torch): nothing compiles cubins
-        yield
-        return
-    previous = knobs.compilation.disable_line_info
-    knobs.compilation.disable_line_info = True
-    try:
-        yield
-    finally:
-        knobs.compilation.disable_line_info = previous
+def reproducible_cubins() -> None:
+    """Cubins without line info from here on: Triton's line info names the generated source's
+    path, which is under the compiling user's private cache, so the same kernel compiled by two
+    users (or a build host and a GPU host) would differ in bytes; without it they are identical.
+    Set in the environment, where inductor's compile workers (other processes) read it too."""
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
 
 
 def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device):
@@ -285,7 +275,8 @@ def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.
 
     settings = compile_settings(kind)
     examples = [_example(v, device) for v in layouts]
-    with recording() as recorder, inductor_config.patch(settings), reproducible_cubins():
+    reproducible_cubins()
+    with recording() as recorder, inductor_config.patch(settings):
         compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
         plan = record_plan(compiled, layouts, device, recorder) if recorder is not None and device.type == "cuda" else None
     data = encode_plan(plan) if plan is not None else None
