@@ -185,11 +185,12 @@ def derive_plan(sub: fx.GraphModule, layouts: list[dict], kind: str, target: Gpu
     """The region's kernel plan for `target` (encoded and decode-checked); Unplannable says why
     there is none (the region then compiles where it runs)."""
     from titan.builder.export.device_standin import standin_gpu
-    from titan.runtime.kernels.fusion import compile_settings, reproducible_cubins
+    import titan.runtime.common.compiler_caches as compiler_caches
+    from titan.runtime.kernels.fusion import compile_settings
     from titan.runtime.kernels.kernel_plan import BadPlan, decode_plan, encode_plan
 
     recorder = _LaunchRecorder()
-    reproducible_cubins()
+    compiler_caches.ensure()  # private caches, and cubins without line info (REPRODUCIBLE)
     with standin_gpu(target):
         settings = compile_settings(kind)
         compiled, sources, kernels, module = _generate(sub, layouts, settings)

@@ -35,7 +35,6 @@ import hashlib
 import importlib.metadata
 import json
 import operator
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -255,14 +254,6 @@ def compile_settings(kind: str) -> dict[str, bool]:
                        if hasattr(inductor_config, name)}
 
 
-def reproducible_cubins() -> None:
-    """Cubins without line info from here on: Triton's line info names the generated source's
-    path, which is under the compiling user's private cache, so the same kernel compiled by two
-    users (or a build host and a GPU host) would differ in bytes; without it they are identical.
-    Set in the environment, where inductor's compile workers (other processes) read it too."""
-    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
-
-
 def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device):
     """(the compiled region, its kernel plan's bytes or None: runtime/kernels/kernel_plan.py)."""
     compiler_caches.ensure()  # inductor's caches are the user's private ones before it is imported
@@ -275,7 +266,6 @@ def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.
 
     settings = compile_settings(kind)
     examples = [_example(v, device) for v in layouts]
-    reproducible_cubins()
     with recording() as recorder, inductor_config.patch(settings):
         compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
         plan = record_plan(compiled, layouts, device, recorder) if recorder is not None and device.type == "cuda" else None
