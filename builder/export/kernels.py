@@ -15,9 +15,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from titan.runtime.store.build_cache import Cache
 from titan.runtime.contract.manifest import Manifest
+
+if TYPE_CHECKING:
+    from titan.builder.export.gpu_target import GpuTarget
 
 
 def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict[str, str], object]:
@@ -73,9 +77,11 @@ class OfflineStats:
                 f"plans in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
 
 
-def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest, target) -> tuple[dict[str, str], OfflineStats]:
-    """Build every distinct region of the entry's graphs for `target` (a GpuTarget) on this host,
-    no GPU needed; returns (kernel key -> sha256, OfflineStats)."""
+def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
+                            target: GpuTarget) -> tuple[dict[str, str], OfflineStats]:
+    """Build every distinct region of the entry's graphs for `target` on this host, no GPU
+    needed (kernel plans already in the kernel store are reused); returns (kernel key ->
+    sha256, OfflineStats)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -128,7 +134,7 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest, targe
 
 
 def add_kernels(cache: Cache, key: str, out: Path, *, redo: dict | None = None,
-                target=None) -> tuple[Manifest, object]:
+                target: GpuTarget | None = None) -> tuple[Manifest, object]:
     """Compile the entry's kernels, record them in the entry and re-export the artifact (built
     from the entry at `out`); returns (manifest, FusionStats). `redo`: the dropless redo
     programs a bounded MoE artifact carries (BuildOutcome.redo), exported again with it (their
