@@ -5,7 +5,8 @@
 #     titan-build --flavor debug --dtype bf16 --kernels --gpu $g --out artifacts/offline-debug
 #     titan-build --flavor 1B --dtype bf16 --seq-len 2048 --kernels --gpu $g --out artifacts/offline-1b
 #   done
-# carried here under artifacts/ (a missing one is skipped). On one GPU, for each:
+# carried here under artifacts/ (a missing one is skipped; CASES="debug" runs that one only).
+# On one GPU, for each:
 #  0. this GPU's properties against the --gpu record of its model,
 #  1. the same artifact built here the existing way (titan-build --kernels on this GPU),
 #  2. the two artifacts' kernels for this GPU compared byte for byte (plan files; which part
@@ -20,6 +21,7 @@ python benchmarks/gpu/offline_kernels_compare.py device; echo "device record: ex
 rm -rf "$OUT/cache"
 for case in "debug|--flavor debug --dtype bf16" "1b|--flavor 1B --dtype bf16 --seq-len 2048"; do
   name=${case%%|*}; build=${case#*|}; offline=artifacts/offline-$name; here=artifacts/gpu-$name
+  case " ${CASES:-debug 1b} " in *" $name "*) ;; *) continue;; esac
   [ -f "$offline/manifest.json" ] || { echo "== $name: no $offline (build it without a GPU and carry it): skipped"; continue; }
   echo "== $name"
   rm -rf "$here"

@@ -21,6 +21,9 @@ def device() -> int:
     from titan.builder.export.gpu_target import TARGETS
     from titan.runtime.kernels.fusion import device_tag
 
+    if not torch.cuda.is_available():
+        print("this GPU: none visible (run this on the GPU host)")
+        return 1
     props = torch.cuda.get_device_properties(0)
     tag = device_tag(torch.device("cuda", 0))
     target = next((name for name, t in TARGETS.items() if t.tag == tag), None)
