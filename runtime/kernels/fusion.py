@@ -168,7 +168,11 @@ def device_tag(device: torch.device) -> str:
     return device.type
 
 
-def kernel_key(sub: fx.GraphModule, layouts: list[dict], settings: dict, context: dict) -> str:
+def kernel_key(sub: fx.GraphModule, layouts: list[dict], kind: str, context: dict) -> str:
+    # The settings asked for, not the subset this inductor has: reading that would import
+    # inductor, which a run whose kernels are all plans never does (the torch version in the
+    # key fixes the subset).
+    settings = _EXACT_SETTINGS if kind == EXACT else {}
     return hashlib.sha256(json.dumps([sub.code, layouts, context, settings], sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -349,7 +353,7 @@ def region_kernels(gm: fx.GraphModule, *, device: str) -> dict[str, tuple[str, f
         inputs, outputs = _boundary(run)
         sub = _extract(run, inputs, outputs)
         layouts = [_input_layout(a) for a in inputs]
-        out[kernel_key(sub, layouts, _EXACT_SETTINGS if kind == EXACT else {}, context)] = (kind, sub, layouts)
+        out[kernel_key(sub, layouts, kind, context)] = (kind, sub, layouts)
     return out
 
 
@@ -363,10 +367,6 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
         kind = _kind(run[0].meta["titan_region"])
         if not compiled_here(kind, device):
             continue
-        # The settings asked for, not the subset this inductor has: reading that would import
-        # inductor, which a run whose kernels are all plans never does (the torch version in
-        # the key fixes the subset).
-        settings = _EXACT_SETTINGS if kind == EXACT else {}
         inputs, outputs = _boundary(run)
         # Identical regions are recognized by signature, before any graph is built for them.
         signature = (kind, _signature(run, inputs, outputs))
@@ -376,7 +376,7 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
         else:
             sub = _extract(run, inputs, outputs)
             layouts = [_input_layout(a) for a in inputs]
-            compiled = _kernel(kernel_key(sub, layouts, settings, context), sub, layouts, kind, device,
+            compiled = _kernel(kernel_key(sub, layouts, kind, context), sub, layouts, kind, device,
                                sources, stats)
             memo[signature] = compiled
         stats.regions += 1
