@@ -52,6 +52,15 @@ def main(shape_args, **values):
     from titan.runtime.contract.memory_estimate import PARAM_STATE_BYTES, param_elements
     from titan.runtime.store.lock import LOCK_WAIT_ENV, lock_wait_s
     signer_key = signing_key(sign_key)  # a key file that cannot be used is refused before anything is traced
+    target = None
+    if cfg.gpu is not None:  # refused before anything is traced, as a key file is
+        from titan.builder.export.gpu_target import gpu_target, toolchain_problem
+        if not kernels:
+            raise ValueError(f"--gpu {cfg.gpu} names the GPU to build kernels for: add --kernels")
+        target = gpu_target(cfg.gpu)
+        problem = toolchain_problem(target)
+        if problem:
+            raise ValueError(problem)
     from titan.builder.models.shape import parse_shape_args
     from titan.cli.build_progress import BuildProgress
 
@@ -134,7 +143,7 @@ def main(shape_args, **values):
     manifest = outcome.manifest
     if kernels:
         from titan.builder.export.kernels import add_kernels
-        manifest, stats = add_kernels(cache, outcome.key, out, redo=outcome.redo)
+        manifest, stats = add_kernels(cache, outcome.key, out, redo=outcome.redo, target=target)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")
     signer = sign_artifact(out, signer_key)  # your own key unless --sign names one
     if sign_key is not None:

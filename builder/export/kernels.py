@@ -3,17 +3,25 @@ run on, record them (kernel key -> sha256) in the build's cache entry, and expor
 the artifact, so that no rank of any job compiles at start-up, on this host or on a fresh one
 of the same GPU kind that gets a copy of the artifact.
 
-A CPU-only host cannot do this: inductor generates a region's code by running on the device
-(example tensors, device properties, autotuning), although Triton itself could compile a
-given kernel for an explicit target without a GPU.
+With --gpu NAME (builder/export/gpu_target.py) a host without a GPU builds them for that GPU
+model instead: inductor generates each region's code for a stand-in device of that model, Triton
+compiles it for the explicit target, and the launches are derived from the generated code
+(builder/export/offline_kernels.py). That needs the torch and Triton the GPU hosts run (the
+versions are part of every kernel key).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from titan.runtime.store.build_cache import Cache
 from titan.runtime.contract.manifest import Manifest
+
+if TYPE_CHECKING:
+    from titan.builder.export.gpu_target import GpuTarget
 
 
 def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict[str, str], object]:
@@ -23,8 +31,8 @@ def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError("--kernels compiles the fusion kernels on a GPU and none is visible here; run titan-build "
-                         "--kernels on one GPU of the kind the job will use (the build itself needs none)")
+        raise ValueError("--kernels compiles the fusion kernels on a GPU and none is visible here; name the GPU the "
+                         "job will use (--gpu h100 or h200: built without one) or run titan-build --kernels on one")
     from titan.runtime.contract.graph_decode import load_graph, region_kinds
     from titan.runtime.kernels.fusion import FusionStats, KernelSources, compile_regions
     from titan.runtime.store.kernel_store import KernelStore
@@ -49,11 +57,89 @@ def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict
     return sources.recorded, stats
 
 
-def add_kernels(cache: Cache, key: str, out: Path, *, redo: dict | None = None) -> tuple[Manifest, object]:
+@dataclass
+class OfflineStats:
+    """What a build for a named GPU made of the distinct regions."""
+    target: str
+    regions: int = 0
+    planned: int = 0
+    left: dict[str, int] = field(default_factory=dict)
+    """Why regions got no plan (they compile where they run), and how many for each reason."""
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        import importlib.metadata
+        import torch
+        left = sum(self.left.values())
+        why = "; ".join(f"{n}: {reason}" for reason, n in sorted(self.left.items()))
+        return (f"built without a GPU for {self.target}, torch {torch.__version__}, triton "
+                f"{importlib.metadata.version('triton')}: {self.planned} of {self.regions} distinct regions as kernel "
+                f"plans in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
+
+
+def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
+                            target: GpuTarget) -> tuple[dict[str, str], OfflineStats]:
+    """Build every distinct region of the entry's graphs for `target` on this host, no GPU
+    needed (kernel plans already in the kernel store are reused); returns (kernel key ->
+    sha256, OfflineStats)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan.builder.export.offline_kernels import derive_plan
+    from titan.runtime.contract.graph_decode import load_graph, region_kinds
+    from titan.runtime.kernels.fusion import compiled_here, region_kernels
+    from titan.runtime.kernels.plan_recorder import Unplannable
+    from titan.runtime.store.kernel_store import KernelStore
+
+    t0 = time.perf_counter()
+    device = torch.device("cuda", 0)
+    regions = region_kinds(manifest.passes)
+    groups = {name: f"titan-build-{name}" for name, _ in manifest.layout.mesh_shape()}
+    store = KernelStore(cache.root / "kernels")
+    stats, recorded, wanted, seen = OfflineStats(target=target.tag), {}, {}, set()
+    for rank_key in entry["ranks"]:
+        record = cache.rank_record(rank_key)
+        if record is None:
+            raise ValueError("a rank record of this build is missing or not authenticated; build again")
+        for sha in (record["forward"], record["backward"]):
+            if sha not in seen:
+                seen.add(sha)
+                # The graph as the GPU would load it (its device arguments name cuda:0); its
+                # constants become fake CUDA tensors: only the regions' code and layouts are read.
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    gm = load_graph(cache.read_blob(sha), device=device, groups=groups, regions=regions)
+                wanted |= region_kernels(gm, device=target.tag)
+    for key, (kind, sub, layouts) in wanted.items():
+        if not compiled_here(kind, device):
+            continue
+        stats.regions += 1
+        found = store.load(key)
+        if found is not None:
+            recorded[key] = found[1]
+            stats.planned += 1
+            continue
+        try:
+            data = derive_plan(sub, layouts, kind, target)
+        except Unplannable as e:
+            why = str(e)
+        except Exception as e:  # inductor or Triton failed on the stand-in device: the run compiles it on its own
+            why = f"generation failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+        else:
+            recorded[key] = store.save(key, data, device=target.tag)
+            stats.planned += 1
+            continue
+        stats.left[why] = stats.left.get(why, 0) + 1
+    stats.seconds = time.perf_counter() - t0
+    return recorded, stats
+
+
+def add_kernels(cache: Cache, key: str, out: Path, *, redo: dict | None = None,
+                target: GpuTarget | None = None) -> tuple[Manifest, object]:
     """Compile the entry's kernels, record them in the entry and re-export the artifact (built
     from the entry at `out`); returns (manifest, FusionStats). `redo`: the dropless redo
     programs a bounded MoE artifact carries (BuildOutcome.redo), exported again with it (their
-    own regions are compiled by titan-run)."""
+    own regions are compiled by titan-run). `target`: a GpuTarget to build for without a GPU.
+    The stats have a `line()`."""
     from titan.builder.export.artifact import export_artifact
     from titan.runtime.contract.artifact import open_artifact
 
@@ -62,7 +148,11 @@ def add_kernels(cache: Cache, key: str, out: Path, *, redo: dict | None = None) 
         entry, why = cache.get_entry(key)
         if entry is None:
             raise ValueError(f"the build's cache entry is gone ({why}); build again")
-        kernels, stats = compile_kernels(cache, entry, open_artifact(out, check_torch=False).manifest)
+        manifest = open_artifact(out, check_torch=False).manifest
+        if target is None:
+            kernels, stats = compile_kernels(cache, entry, manifest)
+        else:
+            kernels, stats = compile_kernels_offline(cache, entry, manifest, target)
         entry = dict(entry, kernels=dict(entry.get("kernels", {}), **kernels))
         cache.put_entry(key, entry)
         return export_artifact(cache, dict(entry, **(redo or {})), out), stats

@@ -71,6 +71,8 @@ class BuildConfig:
     """On a cache miss, list every factor that differs from the nearest entry."""
     kernels: bool = False
     """Also compile the fusion kernels on this host's GPU (one GPU of the kind the job will use) into the cache entry and the artifact, so that no rank compiles at start-up."""
+    gpu: str | None = None
+    """With --kernels: build them without a GPU, for this GPU model (h100, h200); needs the CUDA build of the torch release the GPU hosts run, and its triton (they install without a GPU)."""
     sign: str | None = setting(None, check="file")
     """Sign the artifact's manifest with this key file (made, mode 0600, if missing) instead of your own cache key: titan-run --trust KEYFILE then loads the compiled kernels it carries."""
     attention: Literal["sdpa", "flex"] = "sdpa"

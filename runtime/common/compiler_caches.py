@@ -45,6 +45,11 @@ the private root."""
 REMOTE_CACHES_OFF = ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE",
                      "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE")
 """Inductor's caches on a server: what others put there would be loaded (pickles)."""
+REPRODUCIBLE = {"TRITON_DISABLE_LINE_INFO": "1"}
+"""Triton's line info names the generated source's path, which lies under this private root: the
+same kernel compiled by two users, or by a build host and a GPU host (titan-build --kernels
+--gpu), would differ in bytes. Without it their cubins are identical. Set in the environment,
+where inductor's compile workers (other processes) read it too."""
 
 _problem: str | None = None
 _system_tmp: str | None = None
@@ -74,6 +79,7 @@ def install() -> None:
         os.environ[var] = str(root / sub)
     for var in REMOTE_CACHES_OFF:
         os.environ[var] = "0"
+    os.environ.update(REPRODUCIBLE)
     try:
         _make(root)
         _problem = None
@@ -89,7 +95,8 @@ def ensure() -> Path:
     a compile can follow (titan-build, titan-run, titan-verify, and before inductor is
     imported). PrivateDirError (one line, with the fix) if it cannot be private."""
     root = private_root().absolute()
-    if _problem is not None or any(os.environ.get(v) != str(root / s) for v, s in COMPILER_DIRS.items()):
+    if (_problem is not None or any(os.environ.get(v) != str(root / s) for v, s in COMPILER_DIRS.items())
+            or any(os.environ.get(v) != value for v, value in REPRODUCIBLE.items())):
         install()
     if _problem is not None:
         raise PrivateDirError(_problem)

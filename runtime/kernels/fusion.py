@@ -56,6 +56,10 @@ _EXACT_SETTINGS = {
     "eager_numerics.division_rounding": True,
     "eager_numerics.use_pytorch_libdevice": True,
     "eager_numerics.disable_ftz": True,
+    # One config per element-wise kernel: choosing among several is a timing on the device,
+    # which a build without one cannot make (builder/export/offline_kernels.py). Every config
+    # of an element-wise kernel computes the same bits; only the block size differs.
+    "triton.autotune_pointwise": False,
 }
 
 
@@ -164,7 +168,11 @@ def device_tag(device: torch.device) -> str:
     return device.type
 
 
-def kernel_key(sub: fx.GraphModule, layouts: list[dict], settings: dict, context: dict) -> str:
+def kernel_key(sub: fx.GraphModule, layouts: list[dict], kind: str, context: dict) -> str:
+    # The settings asked for, not the subset this inductor has: reading that would import
+    # inductor, which a run whose kernels are all plans never does (the torch version in the
+    # key fixes the subset).
+    settings = _EXACT_SETTINGS if kind == EXACT else {}
     return hashlib.sha256(json.dumps([sub.code, layouts, context, settings], sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -239,6 +247,17 @@ def _region_call(compiled, name: str):
     return call
 
 
+def compile_settings(kind: str) -> dict[str, bool]:
+    """The inductor settings a region of `kind` is compiled under (here and by a build for a
+    named GPU, builder/export/offline_kernels.py: the same settings make the same kernels)."""
+    import torch._inductor.config as inductor_config
+
+    settings = exact_config() if kind == EXACT else {}
+    # Plans are recorded from the static launcher's calls: use it wherever inductor can.
+    return settings | {name: True for name in ("use_static_cuda_launcher", "use_static_triton_launcher")
+                       if hasattr(inductor_config, name)}
+
+
 def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device):
     """(the compiled region, its kernel plan's bytes or None: runtime/kernels/kernel_plan.py)."""
     compiler_caches.ensure()  # inductor's caches are the user's private ones before it is imported
@@ -249,10 +268,7 @@ def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.
     from titan.runtime.kernels.kernel_plan import BadPlan, decode_plan, encode_plan
     from titan.runtime.kernels.plan_recorder import record_plan, recording
 
-    settings = exact_config() if kind == EXACT else {}
-    # Plans are recorded from the static launcher's calls: use it wherever inductor can.
-    settings |= {name: True for name in ("use_static_cuda_launcher", "use_static_triton_launcher")
-                 if hasattr(inductor_config, name)}
+    settings = compile_settings(kind)
     examples = [_example(v, device) for v in layouts]
     with recording() as recorder, inductor_config.patch(settings):
         compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
@@ -321,20 +337,36 @@ def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], kind: str, devic
     return region
 
 
+def kernel_context(device: str) -> dict[str, str]:
+    """What besides the region shapes its kernels: the device kind (device_tag) and the
+    torch and triton versions."""
+    return {"device": device, **_versions()}
+
+
+def region_kernels(gm: fx.GraphModule, *, device: str) -> dict[str, tuple[str, fx.GraphModule, list[dict]]]:
+    """Each distinct exact or --fuse region of `gm` as kernel key -> (kind, graph, input
+    layouts), keyed as compile_regions keys it for a device whose device_tag is `device`."""
+    context = kernel_context(device)
+    out = {}
+    for run in _runs(gm):
+        kind = _kind(run[0].meta["titan_region"])
+        inputs, outputs = _boundary(run)
+        sub = _extract(run, inputs, outputs)
+        layouts = [_input_layout(a) for a in inputs]
+        out[kernel_key(sub, layouts, kind, context)] = (kind, sub, layouts)
+    return out
+
+
 def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: KernelSources,
                     stats: FusionStats, memo: dict) -> fx.GraphModule:
     """Replace every region of `gm` with a call of its compiled kernels."""
     compiler_caches.ensure()  # before anything of inductor is imported (device_tag imports it on the CPU)
     t0 = time.perf_counter()
-    context = {"device": device_tag(device), **_versions()}
+    context = kernel_context(device_tag(device))
     for run in _runs(gm):
         kind = _kind(run[0].meta["titan_region"])
         if not compiled_here(kind, device):
             continue
-        # The settings asked for, not the subset this inductor has: reading that would import
-        # inductor, which a run whose kernels are all plans never does (the torch version in
-        # the key fixes the subset).
-        settings = _EXACT_SETTINGS if kind == EXACT else {}
         inputs, outputs = _boundary(run)
         # Identical regions are recognized by signature, before any graph is built for them.
         signature = (kind, _signature(run, inputs, outputs))
@@ -344,7 +376,7 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
         else:
             sub = _extract(run, inputs, outputs)
             layouts = [_input_layout(a) for a in inputs]
-            compiled = _kernel(kernel_key(sub, layouts, settings, context), sub, layouts, kind, device,
+            compiled = _kernel(kernel_key(sub, layouts, kind, context), sub, layouts, kind, device,
                                sources, stats)
             memo[signature] = compiled
         stats.regions += 1

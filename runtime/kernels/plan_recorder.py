@@ -92,7 +92,7 @@ def recording():
         torch._C._StaticCudaLauncher = _RECORDER.real
 
 
-def _random_input(layout: dict, device: torch.device) -> torch.Tensor:
+def random_input(layout: dict, device: torch.device) -> torch.Tensor:
     shape, stride, dtype = layout["shape"], layout["stride"], getattr(torch, layout["dtype"])
     extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
     if dtype.is_floating_point:
@@ -177,7 +177,7 @@ class _Pointers:
 
 def record_plan(compiled, layouts: list[dict], device: torch.device, recorder: _Recorder) -> Plan | None:
     """The compiled region's plan, checked bit for bit against it; None where it has none."""
-    inputs = [_random_input(v, device) for v in layouts]
+    inputs = [random_input(v, device) for v in layouts]
     try:
         compiled(*[_clone(t) for t in inputs])  # tunes and loads whatever loads lazily
         torch.cuda.synchronize(device)
@@ -189,7 +189,7 @@ def record_plan(compiled, layouts: list[dict], device: torch.device, recorder: _
         finally:
             recorder.launches = None
         torch.cuda.synchronize(device)
-        plan = _plan(launches, outs, ran, recorder)
+        plan = plan_from_launches(launches, outs, ran, recorder)
         replayed = [_clone(t) for t in inputs]
         got = PlannedRegion(plan, device)(*replayed, poison=True)
         torch.cuda.synchronize(device)
@@ -199,7 +199,10 @@ def record_plan(compiled, layouts: list[dict], device: torch.device, recorder: _
     return plan if same else None
 
 
-def _plan(launches: list, outs, inputs: list[torch.Tensor], recorder: _Recorder) -> Plan:
+def plan_from_launches(launches: list, outs, inputs: list[torch.Tensor], recorder) -> Plan:
+    """The plan of `launches` (static-launcher calls: function, grid, warps, shared, types,
+    args) that made `outs` from `inputs`; `recorder.loaded` names each function's kernel (the
+    GPU's recorder here, or builder/export/offline_kernels.py's, which derives them on the CPU)."""
     pointers = _Pointers(inputs)
     kernels: dict[int, int] = {}
     kernel_list: list[Kernel] = []

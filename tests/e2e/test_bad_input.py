@@ -35,6 +35,27 @@ def test_build_rejects_bad_model_or_layout(args, words, tmp_path):
     assert not out.exists(), "a failed build must write nothing"
 
 
+@pytest.mark.parametrize("args, words", [
+    (("--gpu", "h100"), ["--gpu h100 names the GPU", "add --kernels"]),
+    (("--kernels", "--gpu", "sm90"), ["unknown GPU", "an architecture alone", "h100, h200"]),
+    (("--kernels", "--gpu", "h100"), ["not a CUDA build", "pip install torch==2.11.0 triton==3.6.0"]),
+])
+def test_build_for_a_named_gpu_refuses_what_it_cannot_build(args, words, tmp_path):
+    """titan-build --kernels --gpu NAME (kernels built without a GPU) refuses an unknown GPU, a
+    missing --kernels, and this CPU build of torch, in one line before anything is traced."""
+    import torch
+    if torch.version.cuda is not None and "--kernels" in args and "h100" in args:
+        pytest.skip("this torch is a CUDA build: it can build for the H100")
+    out = tmp_path / "out"
+    r = titan("build", "--flavor", "debug", *args, "--out", out)
+    assert r.returncode == 2
+    line = _error_line(r)
+    assert line.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for w in words:
+        assert w in line, line
+    assert "building" not in r.stdout and not out.exists(), "refused before anything is traced"
+
+
 def test_build_refuses_to_overwrite_a_non_artifact_directory(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
