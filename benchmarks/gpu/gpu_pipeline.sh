@@ -1,0 +1,44 @@
+#!/bin/bash
+# Pipeline artifacts (titan-build --pp) on the GPUs of one host, over NCCL (issue 28). For each
+# case: the artifact built here (on the CPU), titan-verify --device cuda --deterministic against
+# torch.distributed.pipelining on the same GPUs (every step's loss and gradient norm and every
+# parameter on every rank, bitwise), then titan-run's median step and peak memory.
+#   NGPU=2 bash benchmarks/gpu/gpu_pipeline.sh          # pp 2: 1f1b, gpipe, interleaved-1f1b, zbv
+#   NGPU=4 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 2 x tp 2, pp 2 x dp-shard 2, pp 4
+#   NGPU=8 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 4 x tp 2, pp 8
+# CASES="name ..." runs those only. Pipeline steps run op by op (no CUDA graph yet).
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
+install_titan
+NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
+DEBUG="--flavor debug --n-layers 8 --dtype bf16"
+CASE_LIST=(
+  "2|pp2-1f1b|$DEBUG --pp 2 --microbatches 4"
+  "2|pp2-gpipe|$DEBUG --pp 2 --pp-schedule gpipe --microbatches 4"
+  "2|pp2-interleaved|$DEBUG --pp 2 --pp-schedule interleaved-1f1b --microbatches 4"
+  "2|pp2-zbv|$DEBUG --pp 2 --pp-schedule zbv --microbatches 4"
+  "2|1b-pp2|--flavor 1B --seq-len 2048 --pp 2 --microbatches 8"
+  "4|pp2-tp2|$DEBUG --pp 2 --tp 2 --microbatches 4"
+  "4|pp2-fsdp2|$DEBUG --pp 2 --dp-shard 2 --microbatches 4"
+  "4|pp4-1f1b|$DEBUG --pp 4 --microbatches 8"
+  "8|pp4-tp2|$DEBUG --pp 4 --tp 2 --microbatches 8"
+  "8|pp8-1f1b|$DEBUG --pp 8 --microbatches 8"
+)
+printf '%-18s %-8s %-28s %-14s %s\n' case ranks verify "median step" "peak memory" > "$OUT/pipeline.txt"
+for entry in "${CASE_LIST[@]}"; do
+  IFS='|' read -r need name build <<< "$entry"
+  [ "$need" -le "$NGPU" ] || continue
+  case " ${CASES:-$name} " in *" $name "*) ;; *) continue;; esac
+  art=artifacts/gpu-$name
+  titan-build $build --out "$art" --replace > "$OUT/build-$name.txt" 2>&1 || { echo "$name: build failed"; tail -3 "$OUT/build-$name.txt"; continue; }
+  verdict="-"
+  if [ "$name" != 1b-pp2 ]; then  # the 1B case is timed only (its eager reference is the same code at 1B)
+    timeout 300 titan-verify "$art" --steps 6 --device cuda --deterministic --max-norm 1.0 > "$OUT/verify-$name.txt" 2>&1
+    verdict="exit $? $(grep -m1 '^bitwise equal' "$OUT/verify-$name.txt")"
+  fi
+  timeout 300 titan-run "$art" --steps 12 --device cuda --metrics "$OUT/run-$name.jsonl" > "$OUT/run-$name.txt" 2>&1
+  step=$(python3 -c "import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])][1:]; print(f\"{statistics.median(x['step_time_s'] for x in r[2:])*1e3:.1f} ms\")" "$OUT/run-$name.jsonl" 2>/dev/null)
+  peak=$(grep -o 'peak memory [^;.]*' "$OUT/run-$name.txt" | head -1)
+  printf '%-18s %-8s %-28s %-14s %s\n' "$name" "$need" "$verdict" "${step:-run failed}" "$peak" >> "$OUT/pipeline.txt"
+  echo "$name done at $(elapsed) s"
+done
+cat "$OUT/pipeline.txt"
