@@ -19,14 +19,16 @@ from titan.cli.options import NonEmptyPath
 def main(checkpoint, out, dtype):
     """Write CHECKPOINT (a --checkpoint-dir, for its latest step, or one step-N directory) in
     Hugging Face's layout (LlamaForCausalLM, DeepseekV3ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)."""
-    from titan.runtime.checkpoint import load_full, read_state, resolve_checkpoint
-    from titan.runtime.contract.hf_record import RECORD, hf_record
-    from titan.runtime.hf_weights import export_hf
+    from titan.runtime.checkpoint_dirs import resolve_checkpoint
 
     out = Path(out)
     if out.exists():
         raise ValueError(f"--hf {out} already exists; choose a new directory (titan-export never overwrites)")
-    step_dir = resolve_checkpoint(checkpoint, flag="titan-export", step_dir_ok=True)
+    step_dir = resolve_checkpoint(checkpoint, flag="titan-export", step_dir_ok=True)  # before torch is imported
+    from titan.runtime.checkpoint import load_full, read_state
+    from titan.runtime.contract.hf_record import RECORD, hf_record
+    from titan.runtime.hf_weights import export_hf
+
     description = read_state(step_dir)
     # Buffers a checkpoint of the model holds (a MoE balancing bias) are exported with the weights.
     held = frozenset(hf_record(description, "titan-export").names) if description.get(RECORD) else frozenset()

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from titan.runtime.contract.graph_doc import MAX_ELEMENTS
-from titan.runtime.checkpoint_dirs import STATE_FILE, complete_steps, remove_partial_saves, step_path  # noqa: F401
+from titan.runtime.checkpoint_dirs import (STATE_FILE, complete_steps, remove_partial_saves,  # noqa: F401
+                                          resolve_checkpoint, step_path)
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec
 from titan.runtime.contract.shards import shard_box
 
@@ -46,23 +47,6 @@ CHECKPOINT_VERSION = 1
 
 MAX_STEP = 1 << 53
 """The largest step counter a checkpoint may hold (an exact float64 integer)."""
-
-
-def resolve_checkpoint(path: str | os.PathLike, *, flag: str, step_dir_ok: bool) -> Path:
-    """The latest complete step directory of a --checkpoint-dir (or, if `step_dir_ok`, a step
-    directory itself)."""
-    path = Path(path)
-    if (path / STATE_FILE).is_file():
-        if step_dir_ok:
-            return path
-        raise ValueError(f"{flag} {path} is one step's directory; pass the directory that holds the step-N "
-                         f"directories ({path.parent})")
-    steps = complete_steps(path)
-    if not steps:
-        fix = ("point it at a --checkpoint-dir written by titan-run" if step_dir_ok else
-               "train with --checkpoint-dir first, or drop --resume to start from scratch")
-        raise ValueError(f"{flag} {path}: no complete checkpoint there (no step-*/{STATE_FILE}); {fix}")
-    return step_path(path, steps[-1])
 
 
 def read_state(step_dir: Path) -> dict:

@@ -35,3 +35,20 @@ def remove_partial_saves(root: str | os.PathLike) -> None:
     writes a checkpoint directory at a time, so none is being written when this runs)."""
     for partial in Path(root).glob(".step-*.partial"):
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | os.PathLike, *, flag: str, step_dir_ok: bool) -> Path:
+    """The latest complete step directory of a --checkpoint-dir (or, if `step_dir_ok`, a step
+    directory itself)."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        if step_dir_ok:
+            return path
+        raise ValueError(f"{flag} {path} is one step's directory; pass the directory that holds the step-N "
+                         f"directories ({path.parent})")
+    steps = complete_steps(path)
+    if not steps:
+        fix = ("point it at a --checkpoint-dir written by titan-run" if step_dir_ok else
+               "train with --checkpoint-dir first, or drop --resume to start from scratch")
+        raise ValueError(f"{flag} {path}: no complete checkpoint there (no step-*/{STATE_FILE}); {fix}")
+    return step_path(path, steps[-1])

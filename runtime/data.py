@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan.runtime.common.token_sidecar import sidecar_path
 from titan.runtime.contract.manifest import Manifest
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -73,11 +74,6 @@ class SyntheticTokens:
         first = self.dp_rank * self.batch_size
         seq = torch.stack([self._sequence(step, first + i) for i in range(self.batch_size)])
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-
-
-def sidecar_path(path: str | Path) -> Path:
-    """Where titan-data records a token file's dtype, vocabulary and sources."""
-    return Path(f"{path}.json")
 
 
 def token_file_dtype(path: str | Path, *, dtype: str | None, vocab_size: int) -> str:

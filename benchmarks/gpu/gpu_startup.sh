@@ -5,7 +5,9 @@
 #  1. titan-build --kernels (kernels compiled at build time, shipped in the artifact);
 #  2. one rank under cProfile (torchrun-style environment, so the rank runs in this process):
 #     the slowest start-up calls by cumulative time -> $OUT/startup-profile.txt;
-#  3. train_bench rows compile, compile-warm, titan, titan-kernels: first step seconds side by side.
+#  3. train_bench rows compile, compile-warm, titan, titan-kernels: first step seconds side by side;
+#  4. no noise (issue 30): the first run of the default flow (no kernels in the artifact, an empty
+#     kernel store) and the profiled run print no warning or traceback text; the rank's imports.
 source "$(dirname "$0")/gpu_common.sh"
 FLAVOR=${FLAVOR:-1B}
 SEQ_LEN=${SEQ_LEN:-2048}
@@ -18,6 +20,13 @@ TITAN_CACHE_DIR=$OUT/empty-cache RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SI
   MASTER_PORT=29517 python benchmarks/profile_startup.py "$OUT/rank.prof" "$art" --steps 2 --device cuda \
   > "$OUT/profiled-run.txt" 2>&1
 echo "profiled rank: exit $? at $(elapsed) s; $(grep -E '^(fusion|kernels):' "$OUT/profiled-run.txt" | head -2)"
+grep '^profile_startup: imported' "$OUT/profiled-run.txt"
+titan-build --flavor "$FLAVOR" --dtype bf16 --seq-len "$SEQ_LEN" --out "$art-default" > "$OUT/build-default.txt" 2>&1
+TITAN_CACHE_DIR=$OUT/fresh-cache titan-run "$art-default" --steps 2 --device cuda > "$OUT/first-run.txt" 2>&1
+echo "default flow, first run on an empty store: exit $? at $(elapsed) s"
+for f in build.txt profiled-run.txt build-default.txt first-run.txt; do
+  echo "noise in $f: $(grep -ciE 'warn|traceback|deprecat' "$OUT/$f") line(s)"; grep -iE 'warn|traceback|deprecat' "$OUT/$f" | head -3
+done
 python - "$OUT/rank.prof" > "$OUT/startup-profile.txt" <<'PY'
 import pstats, sys
 stats = pstats.Stats(sys.argv[1])

@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from titan.runtime.contract.artifact import file_sha256
-from titan.runtime.data import sidecar_path
+from titan.runtime.common.token_sidecar import sidecar_path
 
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 # Documents handed to the tokenizer at once (both libraries encode a batch on several threads).

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import safetensors.torch
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from titan.runtime.contract.arg_bounds import (MAX_RANK, Meaning, check_arange, check_elements, check_meaning,  # noqa: F401
                                               meaning_of)
@@ -337,4 +338,8 @@ def load_graph(blob: bytes, *, device: torch.device, groups: dict[str, str],
         nodes.append(node)
     if nodes[-1].op != "output":
         raise GraphFormatError("graph has no output node")
-    return fx.GraphModule(root, graph)
+    # Lazy: the Python code is generated at the first call, not here. A graph that is only
+    # checked (titan-verify's and the tools' loads, a redo program no step needs) never
+    # generates it, and one whose regions are replaced by kernels generates it once, after
+    # (runtime/kernels/fusion.py): code generation is a third of a 1B graph's load.
+    return _LazyGraphModule(root, graph)

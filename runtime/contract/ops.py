@@ -59,16 +59,37 @@ def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
     """cuDNN's (out, logsumexp) in flash-attention 2's layouts: out like q, logsumexp float32
     (b, h, s) contiguous (cuDNN's is (b, h, s, 1) in torch 2.13)."""
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)[:2]
+    _CUDNN_LSE_LAYOUTS[_layout_key(q)] = (tuple(lse.shape), tuple(lse.stride()))
     b, h, s, _ = q.shape
     return _in_layout(out, _meta_like(q)), _in_layout(lse, torch.empty((b, h, s), device="meta"))
+
+
+# The logsumexp layout cuDNN's forward returned, by the query's layout: the backward hands the
+# logsumexp back in it. Asking aten's meta kernel instead (as a backward without its forward in
+# this process must) imports sympy (its empty_like goes through torch._refs and symbolic_shapes):
+# 3.7 s of a rank's start on an H100 (issue 30).
+_CUDNN_LSE_LAYOUTS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _layout_key(q: torch.Tensor) -> tuple:
+    return (tuple(q.shape), tuple(q.stride()), q.dtype, q.device)
+
+
+def _cudnn_lse_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A meta tensor in the layout of the logsumexp cuDNN's forward returns for q, k, v."""
+    found = _CUDNN_LSE_LAYOUTS.get(_layout_key(q))
+    if found is None:
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _meta_like(q), _meta_like(k), _meta_like(v), None, True, 0.0, True, False)[1]
+    shape, stride = found
+    return torch.empty_strided(shape, stride, dtype=torch.float32, device="meta")
 
 
 def _cudnn_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients like q, k, v (as flash-attention 2 returns them), from what _cudnn_attention returned."""
-    # The logsumexp back in the layout cuDNN's forward makes (its meta kernel says which).
-    cudnn_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        _meta_like(q), _meta_like(k), _meta_like(v), None, True, 0.0, True, False)[1]
+    # The logsumexp back in the layout cuDNN's forward made.
+    cudnn_lse = _cudnn_lse_layout(q, k, v)
     # cuDNN reads the output's gradient with the output's strides, as torch's own SDPA hands it.
     grad_out = _in_layout(grad_out, _meta_like(out))
     zero = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's seed and offset: unused
