@@ -161,7 +161,14 @@ def main(shape_args, **values):
         if (art.rank_record(0).model_plan or {}).get("dropless"):
             click.echo(f"note: capacity {spec.moe_capacity:g} reaches the dropless bound of this layout: no step can "
                        "overflow, and the dropless build alone would do")
+    if spec.pipeline is not None:
+        from titan.cli.pipeline_memory import pipeline_memory_lines
+        from titan.runtime.contract.artifact import open_artifact
+        for line in pipeline_memory_lines(open_artifact(out, check_torch=False)):
+            click.echo(line)
     shallow = f" in {outcome.traces} shallow traces" if outcome.traces > len(outcome.traced) else ""
+    if spec.pipeline is not None:  # a trace is one stage's, on a rank of its own block
+        shallow = f" in {outcome.traces} stage traces"
     traced = f"traced {len(outcome.traced)} rank(s){shallow} into " if outcome.traced else ""
     click.echo(f"wrote {out} ({size / 2**20:.1f} MiB, {traced}{programs} program{'s' * (programs > 1)} "
                f"for {world:,} ranks) in {time.perf_counter() - t0:.1f} s")

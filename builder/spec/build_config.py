@@ -28,7 +28,7 @@ class BuildConfig:
     ep: int = setting(1, check="positive")
     """Expert-parallel degree (mixture-of-experts models): routed experts split over this many ranks, which are data parallel for everything else."""
     pp: int = setting(1, check="positive")
-    """Pipeline-parallel degree: the layers split into this many stages, one per pp coordinate (llama3, with --dp-shard and --tp); each stage is traced as a program of its own and the schedule is stored in the artifact (docs/pipeline.md)."""
+    """Pipeline-parallel degree: the layers split into this many stages, one per pp coordinate (llama3; composes with --dp-replicate, --dp-shard and --tp); each stage is traced as a program of its own and the schedule is stored in the artifact (docs/pipeline.md)."""
     microbatches: int | None = setting(None, check="positive")
     """Micro-batches per step with --pp, each of --batch-size sequences (default: --pp)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] | None = None

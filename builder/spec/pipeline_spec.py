@@ -13,8 +13,6 @@ from titan.runtime.contract.pipeline_schedule import (MAX_ACTIONS, MAX_MICROBATC
 
 PIPELINE_MODELS = ("llama3",)
 """Families whose stage split and stage programs titan knows (a stage cost model each)."""
-PIPELINE_DIMS = ("dp_shard", "tp")
-"""The mesh dimensions --pp composes with so far."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -87,10 +85,6 @@ def make_pipeline(*, model: str, cfg, layout: Layout, seq_len: int, schedule: st
     if model not in PIPELINE_MODELS:
         raise ValueError(f"--pp {layout.pp}: pipeline stages are built for {', '.join(PIPELINE_MODELS)} so far; "
                          f"build {model} with --pp 1")
-    others = [name.replace("_", "-") for name, size in layout.mesh_shape() if name not in ("pp", *PIPELINE_DIMS)]
-    if others:
-        raise ValueError(f"--pp composes with {' and '.join('--' + d.replace('_', '-') for d in PIPELINE_DIMS)} so "
-                         f"far, not --{others[0]}; drop --{others[0]} or --pp")
     schedule = schedule or "1f1b"
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown --pp-schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")

@@ -290,8 +290,6 @@ def _pipeline(m: dict, layout: Layout, cfg: dict, n_programs: int, assignment: t
         for index in programs:
             check_int(index, f"{where} stage_programs[{s}]", 0, n_programs - 1)
     plan = PipelinePlan(schedule=schedule, stage_programs=tuple(tuple(p) for p in stage_programs))
-    if set(schedule.stage_rank) != set(range(layout.pp)):
-        fail(where, "every pp rank must hold a stage of the pipeline")
     for rank, index in enumerate(assignment):
         first = schedule.stage_rank.index(layout.coordinates(rank)["pp"])
         if plan.stage_programs[first][rank % per_stage] != index:

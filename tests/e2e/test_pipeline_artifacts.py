@@ -45,9 +45,11 @@ def test_a_1f1b_pipeline_trains_bitwise_as_torch_pipelining(tmp_path):
 @pytest.mark.parametrize("layout, ranks", [
     (("--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "3", "--pp-split", "3,1"), 2),
     (("--pp", "2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "4"), 2),
+    (("--pp", "2", "--pp-schedule", "zbv", "--microbatches", "5"), 2),
     (("--pp", "2", "--tp", "2"), 4),
     (("--pp", "2", "--dp-shard", "2", "--microbatches", "4"), 4),
-], ids=["gpipe-uneven", "interleaved-v2", "pp2-tp2", "pp2-dp-shard2"])
+    (("--pp", "2", "--dp-replicate", "2", "--dp-shard", "2"), 8),
+], ids=["gpipe-uneven", "interleaved-v2", "zbv", "pp2-tp2", "pp2-dp-shard2", "pp2-hsdp"])
 def test_every_schedule_and_layout_trains_bitwise_as_torch_pipelining(layout, ranks, tmp_path):
     _verify_bitwise(_build(tmp_path, *layout), tmp_path, ranks=ranks)
 

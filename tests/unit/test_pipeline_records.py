@@ -60,7 +60,7 @@ def test_a_pipeline_manifest_reads_back_and_gives_each_rank_its_stages_programs(
     ("rank_programs/2", 0, "rank 2's program is not its first stage's (1)"),
     ("pipeline/schedule/actions/0/0", "0F9", "micro-batch out of range"),
     ("pipeline/schedule/stage_layers/3", [3, 5], "stage 3 stop: expected an integer in [0, 4], got 5"),
-    ("pipeline/schedule/stage_rank/2", 1, "stages 1 and 2 are both on pp rank 1"),
+    ("pipeline/schedule/stage_rank/2", 1, "stage_rank [0, 1, 1, 1] is not interleaved-1f1b's placement"),
     ("model_config/n_layers", 5, "the stages hold 4 layers, the model has 5"),
     ("pipeline/extra", 1, "'pipeline' must hold exactly 'schedule' and 'stage_programs'"),
 ])

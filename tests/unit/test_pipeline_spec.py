@@ -27,8 +27,6 @@ FOUR_LAYERS = DEBUG | dict(shape={"n_layers": 4})
      "of its 2 rounds; use a multiple of --pp"),
     (dict(pp=2, model="deepseek_v3"), "--pp 2: pipeline stages are built for llama3 so far; build deepseek_v3 with "
                                       "--pp 1"),
-    (dict(pp=2, dp_replicate=2), "--pp composes with --dp-shard and --tp so far, not --dp-replicate; drop "
-                                 "--dp-replicate or --pp"),
     (dict(pp=2, microbatches=1), "--pp-schedule 1f1b needs --microbatches >= --pp (1 < 2): its warm-up fills every "
                                  "stage; raise --microbatches or use --pp-schedule gpipe"),
     (dict(pp=2, pp_schedule="zb-h1"), "unknown --pp-schedule 'zb-h1'; use one of gpipe, 1f1b, interleaved-1f1b, zbv"),
