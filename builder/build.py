@@ -132,11 +132,15 @@ def _pipeline_build(spec: BuildSpec, out: Path, *, on_miss, on_stage: Callable[[
     notes = []
     for run in _middle_runs(stage_specs):
         first, last = cached(run[0]), cached(run[-1])
-        if _relabels(kw["cache"], stage_specs[run[0]], first, stage_specs[run[-1]], last):
+        # Checked only when a stage between lacks its entry (a rebuild from the cache reads no graph).
+        between_cached = all(kw["cache"].entry_record(digest(build_factors(stage_specs[s]))) for s in run[1:-1])
+        if between_cached or _relabels(kw["cache"], stage_specs[run[0]], first, stage_specs[run[-1]], last):
             for s in run[1:-1]:
                 parts[s] = _relabeled_entry(stage_specs[s], stage_specs[run[0]], first, cache=kw["cache"],
                                             on_wait=kw["on_wait"], on_give_up=kw["on_give_up"])
-            notes.append(f"stages {run[1]}-{run[-2]} relabeled from stage {run[0]} (checked against stage {run[-1]})")
+            if not between_cached:
+                notes.append(f"stages {run[1]}-{run[-2]} relabeled from stage {run[0]} (checked against stage "
+                             f"{run[-1]})")
         else:
             notes.append(f"stages {run[0]}-{run[-1]} traced one by one (stage {run[0]} relabeled is not stage "
                          f"{run[-1]}'s trace)")

@@ -133,6 +133,10 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     cfg = build.cfg if depth is None else replace(build.cfg, n_layers=depth)
     with torch.device("meta"):
         model = family.build(cfg)
+    if build.stage is not None:
+        # A stage traces its own blocks only: the others are neither parallelized nor materialized
+        # (405B at pp 16: 8 blocks of 126 per stage). The kept blocks keep their names.
+        model.layers = torch.nn.ModuleDict({str(i): model.layers[str(i)] for i in range(*build.stage.layers)})
     model.loss_scale = float(build.batch_size * build.seq_len * layout.dp_degree)
     shards = parallelize(model, layout, mesh, coords, tp_plan=family.tp_plan, expert_param=family.expert_param,
                          compute_dtype=getattr(torch, build.dtype))

@@ -37,8 +37,14 @@ def _verify_bitwise(art, tmp_path, *, ranks: int, steps: int = 10) -> dict:
     return result
 
 
-def test_a_1f1b_pipeline_trains_bitwise_as_torch_pipelining(tmp_path):
-    _verify_bitwise(_build(tmp_path, "--pp", "2", "--microbatches", "3"), tmp_path, ranks=2)
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    """A 1F1B pp 2 artifact of 4 layers, 3 micro-batches (built once for this file's default tests)."""
+    return _build(tmp_path_factory.mktemp("pp2"), "--pp", "2", "--microbatches", "3")
+
+
+def test_a_1f1b_pipeline_trains_bitwise_as_torch_pipelining(pp2, tmp_path):
+    _verify_bitwise(pp2, tmp_path, ranks=2)
 
 
 @pytest.mark.slow
@@ -54,8 +60,8 @@ def test_every_schedule_and_layout_trains_bitwise_as_torch_pipelining(layout, ra
     _verify_bitwise(_build(tmp_path, *layout), tmp_path, ranks=ranks)
 
 
-def test_a_checkpointed_pipeline_resumes_bitwise_and_exports_every_stage(tmp_path):
-    art = _build(tmp_path, "--pp", "2", "--microbatches", "2")
+def test_a_checkpointed_pipeline_resumes_bitwise_and_exports_every_stage(pp2, tmp_path):
+    art = pp2
     whole, first, rest = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "rest"))
     ckpt = tmp_path / "ckpt"
     assert titan("run", art, "--steps", 4, "--metrics", whole).returncode == 0
@@ -74,11 +80,10 @@ def test_a_checkpointed_pipeline_resumes_bitwise_and_exports_every_stage(tmp_pat
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= names
 
 
-def test_what_a_pipeline_run_cannot_do_yet_is_one_line(tmp_path):
-    art = _build(tmp_path, "--pp", "2", "--microbatches", "2")
-    r = titan("run", art, "--steps", 1, "--accumulation-steps", 2)
+def test_what_a_pipeline_run_cannot_do_yet_is_one_line(pp2):
+    r = titan("run", pp2, "--steps", 1, "--accumulation-steps", 2)
     assert r.returncode == 2 and r.stderr.splitlines() == [
-        "error: this pipeline artifact's step is its 2 micro-batches of 2 sequences per data-parallel rank (4 sequences); "
+        "error: this pipeline artifact's step is its 3 micro-batches of 2 sequences per data-parallel rank (6 sequences); "
         "drop --accumulation-steps / --global-batch-size, or rebuild with titan-build --microbatches"]
     bad = titan("build", "--flavor", "debug", "--pp", "2", "--attention", "flex", "--mask", "document", "--eos-id", "1")
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
