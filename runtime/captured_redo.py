@@ -106,7 +106,7 @@ class CapturedRedoStep:
         return hand_out_gradients(self.program, self.static)
 
     def _capture(self) -> None:
-        program, redo, static = self.program, self.program.redo, self.static
+        program, static = self.program, self.static
         args = program.forward_args(static["tokens"], static["labels"])
         self.replay["forward"], (outputs, static["overflow"]) = self.graphs.capture(bounded_forward, program, args)
         self.replay["backward"], (static["loss"], static["grads"]) = self.graphs.capture(
