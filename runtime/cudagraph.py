@@ -41,6 +41,24 @@ def on_side_stream(work, *args):
     return result
 
 
+def hand_out_gradients(program, static: dict) -> torch.Tensor:
+    """After a micro-batch's replay: its gradients (`static["grads"]`, the graphs' own buffers)
+    to each parameter's .grad, and the loss to return (`static["loss"]`)."""
+    if program.micro_batches == 1:  # the graph's own buffers, in place every step
+        for p, g in zip(program.params, static["grads"]):
+            p.grad = g
+    else:  # the next micro-batch's replay rewrites those: sum in buffers of their own, also in place
+        sums = static.setdefault("sums", [torch.empty_like(g) for g in static["grads"]])
+        for p, g, total in zip(program.params, static["grads"], sums):
+            if p.grad is None:
+                p.grad = total.copy_(g)
+            else:
+                p.grad.add_(g)
+    # The loss too is the graph's own buffer: a later micro-batch's replay would rewrite it
+    # under the step's sum (found on an H100: every logged loss after the capture was wrong).
+    return static["loss"] if program.micro_batches == 1 else static["loss"].clone()
+
+
 class CapturedStep:
     """Callable like GraphProgram.step; the first WARMUP_STEPS steps run eagerly on a side
     stream (lazy cuBLAS / NCCL initialization must not happen during capture)."""
@@ -72,19 +90,7 @@ class CapturedStep:
             self.static["tokens"].copy_(tokens)
             self.static["labels"].copy_(labels)
         self.graph.replay()
-        if self.program.micro_batches == 1:  # the graph's own buffers, in place every step
-            for p, g in zip(self.program.params, self.static["grads"]):
-                p.grad = g
-        else:  # the next micro-batch's replay rewrites those: sum in buffers of their own, also in place
-            sums = self.static.setdefault("sums", [torch.empty_like(g) for g in self.static["grads"]])
-            for p, g, total in zip(self.program.params, self.static["grads"], sums):
-                if p.grad is None:
-                    p.grad = total.copy_(g)
-                else:
-                    p.grad.add_(g)
-        # The loss too is the graph's own buffer: a later micro-batch's replay would rewrite it
-        # under the step's sum (found on an H100: every logged loss after the capture was wrong).
-        return self.static["loss"] if self.program.micro_batches == 1 else self.static["loss"].clone()
+        return hand_out_gradients(self.program, self.static)
 
     def close(self) -> None:
         """Release the graph before the process group goes: a captured graph holds NCCL

@@ -14,6 +14,12 @@ exists to undo. The count is global, so every rank takes the same branch.
 The cost: one scalar read on the host per micro-batch, after the forward (the one place the
 step waits for the device), and on an overflow a second forward and the dropless backward
 (the bounded backward is skipped). The dropless program's memory is needed while it runs.
+A held-out batch needs no decision: its loss comes from the dropless forward cut down to its
+loss (GraphProgram.forward_loss), which is what a redo would give.
+
+Eager (CPU, --no-cuda-graphs): GraphProgram.forward_backward. Under CUDA graphs, the same pieces
+(bounded forward with its count, bounded backward, dropless forward + backward) are three
+captures sharing one memory pool: runtime/captured_redo.py.
 """
 
 from __future__ import annotations
@@ -42,12 +48,17 @@ class OverflowRedo:
         self.overflow = 0
         """Assignments the bounded attempts of those micro-batches could not hold."""
 
-    def overflowed(self, updates: list[torch.Tensor], *, count: bool = True) -> bool:
-        """Whether the bounded forward overflowed (its buffer updates, global counts): the
-        step's one host read. Counted for the step's metrics unless `count` is False (a
-        validation batch)."""
-        over = int(torch.stack([updates[i] for i in self.dropped_outputs]).sum())
-        if over and count:
+    def overflow_count(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The assignments the bounded forward could not hold, summed over its MoE layers (a
+        device scalar, global: the same on every rank), from the forward's outputs (its buffer
+        updates first). Made on the device, so a CUDA graph can capture it."""
+        return torch.stack([outputs[i] for i in self.dropped_outputs]).sum()
+
+    def overflowed(self, count: torch.Tensor) -> bool:
+        """Whether the bounded forward overflowed (`count`: its overflow_count): the micro-batch's
+        one host read. Counted for the step's metrics."""
+        over = int(count)
+        if over:
             self.redone += 1
             self.overflow += over
         return over > 0

@@ -7,7 +7,7 @@ import datetime
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -129,7 +129,8 @@ class GraphProgram:
                                     artifact_kernel=artifact.kernel if artifact_kernels else None)
             self.redo = OverflowRedo(record, dropless, forward, backward, where=f"{artifact.root} rank {rank}")
 
-    def _forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """The forward's inputs (the same for the bounded and the dropless program of a MoE)."""
         params = iter(self.params)
         return [next(params) if inp.kind == "param" else self.buffers.tensors[inp.fqn] if inp.kind == "buffer"
                 else tokens if inp.kind == "tokens" else labels for inp in self.inputs]
@@ -138,36 +139,35 @@ class GraphProgram:
     def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's loss of a held-out batch; training goes on as if it had not run. The forward
         graph cut down to its loss (runtime/loss_only.py), so neither the activations the backward
-        would read nor the buffer updates (a MoE's load and bias) are computed; but a bounded MoE
-        dispatch needs its dropped counts, so such a program runs its whole forward (the buffer
-        updates dropped) and, on an overflow, the dropless one (runtime/moe_redo.py)."""
-        args = self._forward_args(tokens, labels)
-        if self.redo is None:
-            if self._loss_only is None:
-                self._loss_only = loss_only(self.forward, len(self.buffers.mutated))
-            (loss,) = self._loss_only(*args)
-            return loss
-        outputs = self.forward(*args)
-        n_updates = len(self.buffers.mutated)
-        if self.redo.overflowed(outputs[:n_updates], count=False):
-            outputs = self.redo.forward(*args)  # the dropless loss, as for a training step
-        return outputs[n_updates]
+        would read nor the buffer updates (a MoE's load and bias) are computed. A bounded MoE
+        dispatch's is its dropless program's: the loss a redo would give, and the bounded one's
+        bit for bit when it does not overflow, without the decision (a host read) in between."""
+        if self._loss_only is None:
+            forward = self.forward if self.redo is None else self.redo.forward
+            self._loss_only = loss_only(forward, len(self.buffers.mutated))
+        (loss,) = self._loss_only(*self.forward_args(tokens, labels))
+        return loss
 
     @torch.no_grad()
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's loss and the gradient of each parameter (in self.params order), both of
         the micro-batch's share of the step: divided by the number of micro-batches, as autograd
         divides the seed of `(loss / n).backward()`."""
-        args = self._forward_args(tokens, labels)
+        args = self.forward_args(tokens, labels)
         outputs, backward = self.forward(*args), self.backward
-        n_updates = len(self.buffers.mutated)
-        if self.redo is not None and self.redo.overflowed(outputs[:n_updates]):
+        if self.redo is not None and self.redo.overflowed(self.redo.overflow_count(outputs)):
             # The bounded dispatch overflowed: nothing was applied yet; redo it dropless.
             del outputs
             outputs, backward = self.redo.forward(*args), self.redo.backward
         del args
+        return self.finish(outputs, backward)
+
+    @torch.no_grad()
+    def finish(self, outputs: Sequence[torch.Tensor], backward: fx.GraphModule) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The rest of forward_backward after a forward (`outputs`: its buffer updates, loss and
+        saved activations; `backward`: its program's): the backward, then the buffers' new values."""
+        n_updates = len(self.buffers.mutated)
         updates, loss, saved = outputs[:n_updates], outputs[n_updates], outputs[n_updates + 1:]
-        del outputs
         seed = torch.ones_like(loss)
         if self.micro_batches > 1:
             seed, loss = seed / self.micro_batches, loss / self.micro_batches
@@ -375,13 +375,14 @@ def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, 
     if device.type != "cuda" or not cfg.cuda_graphs:
         yield program.step, update, program.forward_loss
         return
-    if program.redo is not None:  # every rank finds it: one line (rank 0's)
-        from titan.runtime.run_state import RunOptionError
-        raise RunOptionError("this artifact bounds its MoE dispatch and redoes overflowing steps, which titan-run does not "
-                         "capture in CUDA graphs yet; run it with --no-cuda-graphs, or build it without --moe-capacity")
     from titan.runtime.cudagraph import CapturedLoss, CapturedStep
     from titan.runtime.fused_adamw import FusedAdamW
-    step, forward_loss = CapturedStep(program), CapturedLoss(program.forward_loss)
+    if program.redo is None:
+        step = CapturedStep(program)
+    else:  # a bounded MoE dispatch: three captures and the decision between them
+        from titan.runtime.captured_redo import CapturedRedoStep
+        step = CapturedRedoStep(program)
+    forward_loss = CapturedLoss(program.forward_loss)
     captured = [step, forward_loss]
     if isinstance(optimizer, FusedAdamW):
         from titan.runtime.captured_update import CapturedUpdate

@@ -50,7 +50,7 @@ def test_bounded_dispatch_is_bitwise_dropless_and_redoes_overflowing_steps(tmp_p
     assert manifest["moe_capacity"] == {"factor": REDO_FACTOR, "drop": False} and len(manifest["redo_programs"]) == 1
 
     out, val = tmp_path / "verify.json", tmp_path / "val.u16"
-    # Held-out batches too: a validation forward that overflows is redone, uncounted.
+    # Held-out batches too: their loss is the dropless forward's (cut down to the loss), uncounted.
     val.write_bytes(torch.randint(0, CFG.vocab_size, (40 * (SEQ + 1),), generator=torch.Generator().manual_seed(9))
                     .numpy().astype(np.uint16).tobytes())
     r = titan("verify", art, "--steps", STEPS, "--json", out, "--val-data", val, "--val-every", 5, "--val-steps", 2)

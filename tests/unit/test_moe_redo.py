@@ -33,11 +33,16 @@ def _updates(*dropped: int) -> list[torch.Tensor]:
     return [torch.zeros(8), *(torch.tensor(n) for n in dropped)]
 
 
+def _outputs(*dropped: int) -> list[torch.Tensor]:
+    """A bounded forward's outputs: the buffer updates, then the loss and a saved activation."""
+    return [*_updates(*dropped), torch.tensor(3.5), torch.ones(4)]
+
+
 def test_a_micro_batch_is_redone_exactly_when_a_layer_dropped_and_the_metrics_count_it():
     redo = OverflowRedo(_record(), _record(), None, None, where="art rank 0")
-    assert not redo.overflowed(_updates(0, 0))
-    assert redo.overflowed(_updates(0, 3)) and redo.overflowed(_updates(5, 0))
-    assert redo.overflowed(_updates(2, 2), count=False)  # a validation batch: redone, not counted
+    assert torch.equal(redo.overflow_count(_outputs(2, 5)), torch.tensor(7))  # the dropped counts only
+    assert not redo.overflowed(redo.overflow_count(_outputs(0, 0)))
+    assert redo.overflowed(redo.overflow_count(_outputs(0, 3))) and redo.overflowed(redo.overflow_count(_outputs(5, 0)))
     assert redo.metrics() == {"moe_redone": 2, "moe_overflow": 8}
     assert redo.metrics() == {"moe_redone": 0, "moe_overflow": 0}  # per step
 
