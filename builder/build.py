@@ -139,8 +139,8 @@ def _pipeline_build(spec: BuildSpec, out: Path, *, on_miss, on_stage: Callable[[
                 parts[s] = _relabeled_entry(stage_specs[s], stage_specs[run[0]], first, cache=kw["cache"],
                                             on_wait=kw["on_wait"], on_give_up=kw["on_give_up"])
             if not between_cached:
-                notes.append(f"stages {run[1]}-{run[-2]} relabeled from stage {run[0]} (checked against stage "
-                             f"{run[-1]})")
+                between = f"stage {run[1]}" if len(run) == 3 else f"stages {run[1]}-{run[-2]}"
+                notes.append(f"{between} relabeled from stage {run[0]} (checked against stage {run[-1]})")
         else:
             notes.append(f"stages {run[0]}-{run[-1]} traced one by one (stage {run[0]} relabeled is not stage "
                          f"{run[-1]}'s trace)")

@@ -17,8 +17,8 @@ import re
 import msgpack
 
 from titan.builder.program.bind import same_value
-from titan.builder.spec.pipeline_spec import StageSpec
 from titan.runtime.contract.graph_doc import read_doc
+from titan.runtime.contract.rank_record import StagePlace
 from titan.runtime.store.build_cache import Cache
 
 _LAYER = re.compile(r"^layers\.(\d+)(?=\.|$)")
@@ -39,14 +39,14 @@ def _graph(cache: Cache, sha: str, shift: int) -> dict:
     return _relabel(read_doc(cache.read_blob(sha)), shift)
 
 
-def _meta(cache: Cache, program: dict, shift: int, *, stage: StageSpec, init_specs: dict[str, dict]) -> dict:
+def _meta(cache: Cache, program: dict, shift: int, *, stage: StagePlace, init_specs: dict[str, dict]) -> dict:
     meta = _relabel(json.loads(cache.read_blob(program["meta"])), shift)
     meta["stage"] = dict(meta["stage"], index=stage.index, layers=list(stage.layers))
     meta["params"] = [dict(p, init=init_specs[p["fqn"]]) for p in meta["params"]]
     return meta
 
 
-def relabeled_programs(cache: Cache, programs: list[dict], *, shift: int, stage: StageSpec,
+def relabeled_programs(cache: Cache, programs: list[dict], *, shift: int, stage: StagePlace,
                        init_specs: dict[str, dict]) -> list[dict]:
     """A stage's stored programs (their blobs put into `cache`) as the programs of `stage`, whose
     blocks are `shift` further on."""
@@ -60,7 +60,7 @@ def relabeled_programs(cache: Cache, programs: list[dict], *, shift: int, stage:
     return out
 
 
-def relabels_exactly(cache: Cache, source: list[dict], target: list[dict], *, shift: int, stage: StageSpec,
+def relabels_exactly(cache: Cache, source: list[dict], target: list[dict], *, shift: int, stage: StagePlace,
                      init_specs: dict[str, dict]) -> bool:
     """Whether `source`'s programs relabeled by `shift` are `target`'s (a stage traced for real)."""
     if len(source) != len(target):

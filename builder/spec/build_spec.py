@@ -16,8 +16,9 @@ from titan.builder.models.attention import attention_overrides, attention_tags
 from titan.builder.models.shape import apply_shape, shape_tags
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes.registry import check_passes, default_passes
-from titan.builder.spec.pipeline_spec import PipelineSpec, StageSpec, make_pipeline
+from titan.builder.spec.pipeline_spec import PipelineSpec, make_pipeline
 from titan.runtime.contract.layout import Layout
+from titan.runtime.contract.rank_record import StagePlace
 
 # Batch shape defaults: small for the CPU-sized flavors, Llama-3 pretraining shape otherwise.
 DEBUG_SHAPE = (2, 128)
@@ -55,9 +56,10 @@ class BuildSpec:
     (builder/models/shape.py); part of the model config and of the artifact's name."""
     pipeline: PipelineSpec | None = None
     """With --pp > 1: the schedule, micro-batches and stage split (builder/spec/pipeline_spec.py)."""
-    stage: StageSpec | None = None
+    stage: StagePlace | None = None
     """Set on the build of one stage of a pipeline (stage_builds): what is traced is that stage,
-    on the layout without pp."""
+    on the layout without pp (a stage's graphs hold only its own ranks' collectives and do not
+    depend on the schedule: every schedule of the same split reuses them from the cache)."""
     attention: tuple[tuple[str, Any], ...] = ()
     """The attention choice's config fields that differ from SDPA causal (field, value),
     checked by builder/models/attention.py; part of the model config and of the artifact's name."""

@@ -31,7 +31,7 @@ def build_factors(spec) -> dict:
     capacity = {} if spec.moe_capacity is None else {
         "moe capacity": {"factor": spec.moe_capacity, "overflow": "drop" if spec.moe_drop else "redo dropless"}}
     pipeline = {"pipeline": spec.pipeline.factor()} if spec.pipeline else {}
-    stage = {"pipeline stage": spec.stage.factor()} if spec.stage else {}
+    stage = {"pipeline stage": spec.stage.place_json()} if spec.stage else {}
     return pipeline | stage | capacity | {
         "model": spec.model,
         "flavor": spec.flavor,

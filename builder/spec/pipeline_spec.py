@@ -10,32 +10,10 @@ from titan.builder.spec.stage_split import balanced_split, dense_decoder_costs, 
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.pipeline_schedule import (MAX_ACTIONS, MAX_MICROBATCHES, SCHEDULES, SPLIT_BACKWARD,
                                                       PipelineSchedule)
+from titan.runtime.contract.rank_record import StagePlace
 
 PIPELINE_MODELS = ("llama3",)
 """Families whose stage split and stage programs titan knows (a stage cost model each)."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class StageSpec:
-    """One stage of a pipeline build, traced as a build of its own: the stage's module
-    (builder/models/decoder_stage.py) on the layout without pp (a stage's graphs hold only its
-    own ranks' collectives, and do not depend on the schedule: every schedule of the same split
-    reuses them from the cache)."""
-    index: int
-    stages: int
-    layers: tuple[int, int]
-    """The [start, stop) of its transformer blocks."""
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.stages - 1
-
-    def factor(self) -> dict:
-        return {"index": self.index, "stages": self.stages, "layers": list(self.layers)}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -55,9 +33,11 @@ class PipelineSpec:
         return pipeline_schedule(self.schedule, spans=layer_spans(self.stage_layers), microbatches=self.microbatches,
                                  stages_per_rank=self.stages_per_rank)
 
-    def stages(self) -> list[StageSpec]:
+    def stages(self) -> list[StagePlace]:
+        """Each stage's place: a pipeline build traces each as a build of its own
+        (BuildSpec.stage_builds)."""
         spans = layer_spans(self.stage_layers)
-        return [StageSpec(index=s, stages=len(spans), layers=span) for s, span in enumerate(spans)]
+        return [StagePlace(index=s, stages=len(spans), layers=span) for s, span in enumerate(spans)]
 
     def tags(self) -> list[str]:
         """Artifact-name parts: `1f1b-mb4` (`interleaved-1f1b-v2-mb4`), and `split-3-1` for a split

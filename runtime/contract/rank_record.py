@@ -175,21 +175,14 @@ class Bucket:
 
 
 @dataclass(kw_only=True, frozen=True)
-class StageIO:
-    """A pipeline stage program's place in the pipeline (docs/pipeline.md): which stage it runs
-    and the activations it receives and sends, this rank's local shard of them (sequence-sharded
-    under tensor parallelism)."""
+class StagePlace:
+    """A pipeline stage's place (docs/pipeline.md): which of the pipeline's stages it is and the
+    blocks it holds (the first stage also the embedding, the last the norm, output and loss)."""
     index: int
     stages: int
     """The pipeline's stage count."""
     layers: tuple[int, int]
     """The [start, stop) of the transformer blocks it holds."""
-    input_shape: tuple[int, ...] | None
-    """The activations it receives (None: the first stage, which reads tokens)."""
-    output_shape: tuple[int, ...] | None
-    """The activations it sends on (None: the last stage, which returns its loss)."""
-    dtype: str
-    """The activations' dtype (the build's compute dtype)."""
 
     @property
     def first(self) -> bool:
@@ -199,9 +192,23 @@ class StageIO:
     def last(self) -> bool:
         return self.index == self.stages - 1
 
+    def place_json(self) -> dict:
+        return {"index": self.index, "stages": self.stages, "layers": list(self.layers)}
+
+
+@dataclass(kw_only=True, frozen=True)
+class StageIO(StagePlace):
+    """A pipeline stage program's place and the activations it receives and sends, this rank's
+    local shard of them (sequence-sharded under tensor parallelism)."""
+    input_shape: tuple[int, ...] | None
+    """The activations it receives (None: the first stage, which reads tokens)."""
+    output_shape: tuple[int, ...] | None
+    """The activations it sends on (None: the last stage, which returns its loss)."""
+    dtype: str
+    """The activations' dtype (the build's compute dtype)."""
+
     def to_json(self) -> dict:
-        return {"index": self.index, "stages": self.stages, "layers": list(self.layers),
-                "input_shape": None if self.input_shape is None else list(self.input_shape),
+        return {**self.place_json(), "input_shape": None if self.input_shape is None else list(self.input_shape),
                 "output_shape": None if self.output_shape is None else list(self.output_shape), "dtype": self.dtype}
 
     @staticmethod

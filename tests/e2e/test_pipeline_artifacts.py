@@ -60,6 +60,7 @@ def test_every_schedule_and_layout_trains_bitwise_as_torch_pipelining(layout, ra
     _verify_bitwise(_build(tmp_path, *layout), tmp_path, ranks=ranks)
 
 
+@pytest.mark.slow
 def test_a_checkpointed_pipeline_resumes_bitwise_and_exports_every_stage(pp2, tmp_path):
     art = pp2
     whole, first, rest = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "rest"))

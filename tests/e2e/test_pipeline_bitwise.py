@@ -23,10 +23,12 @@ from processes import torchrun_envs
 WORKER = Path(__file__).resolve().parents[1] / "pipeline_worker.py"
 
 
-TWO_STAGES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2"), ("interleaved-1f1b", 4, "1,1,1,1"), ("zbv", 5, "2,1,1,2")]
-"""(schedule, micro-batches, layers per stage) on 2 ranks: an uneven split, the four schedules
-(interleaved: two stages per rank; zbv: two in a V, rank 0 holding the first and the last, rank 1
-the two at the turn, which hand over in memory)."""
+TWO_STAGES = [("gpipe", 3, "3,1"), ("1f1b", 4, "2,2"), ("interleaved-1f1b", 4, "1,1,1,1")]
+"""(schedule, micro-batches, layers per stage) on 2 ranks: an uneven split, the schedules with one
+backward (interleaved: two stages per rank)."""
+ZERO_BUBBLE = [("zbv", 5, "2,1,1,2")]
+"""zbv on 2 ranks: two stages in a V, rank 0 holding the first and the last, rank 1 the two at the
+turn, which hand over in memory (the long tier: its split backward traces four stages)."""
 MODES = ("titan", "graph")
 """titan's executor on eager stages, and on the stages' traced programs read back from their blobs."""
 THREE_STAGES = [("1f1b", 5, "2,1,1"), ("gpipe", 2, "1,2,1"), ("zbv", 4, "1,1,1,1,1,1")]
@@ -50,10 +52,11 @@ def _run(tmp_path: Path, cases: list[tuple], *, ranks: int, steps: int, dp: int 
 
 @pytest.mark.parametrize("ranks, dp, cases", [
     (2, 1, TWO_STAGES),
+    pytest.param(2, 1, ZERO_BUBBLE, marks=pytest.mark.slow),
     pytest.param(3, 1, THREE_STAGES, marks=pytest.mark.slow),
     # Two pipelines side by side (pp 2 x dp-replicate 2): each rank's peers are in its own pipeline.
     pytest.param(4, 2, [("1f1b", 2, "2,2")], marks=pytest.mark.slow),
-], ids=["pp2", "pp3", "pp2-dp2"])
+], ids=["pp2", "pp2-zbv", "pp3", "pp2-dp2"])
 def test_the_executor_runs_each_schedule_bitwise_as_torch_pipelining_does(ranks, dp, cases, tmp_path):
     steps = 2
     for (schedule, microbatches, split), per_rank in zip(cases, _run(tmp_path, cases, ranks=ranks, steps=steps, dp=dp)):
