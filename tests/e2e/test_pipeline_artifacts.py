@@ -24,7 +24,7 @@ def _build(tmp_path, *layout) -> str:
     return out
 
 
-def _verify_bitwise(art, tmp_path, *, ranks: int, steps: int = 10) -> dict:
+def _verify_bitwise(art, tmp_path, *, ranks: int, steps: int = 6) -> dict:
     out = tmp_path / "verify.json"
     # max-norm 0.2: below the debug model's norms (0.3-0.8), so the clip, whose norm spans the stages, acts.
     r = titan("verify", art, "--steps", steps, "--max-norm", "0.2", "--json", out)
@@ -54,8 +54,7 @@ def test_a_1f1b_pipeline_trains_bitwise_as_torch_pipelining(pp2, tmp_path):
     (("--pp", "2", "--pp-schedule", "zbv", "--microbatches", "5"), 2),
     (("--pp", "2", "--tp", "2"), 4),
     (("--pp", "2", "--dp-shard", "2", "--microbatches", "4"), 4),
-    (("--pp", "2", "--dp-replicate", "2", "--dp-shard", "2"), 8),
-], ids=["gpipe-uneven", "interleaved-v2", "zbv", "pp2-tp2", "pp2-dp-shard2", "pp2-hsdp"])
+], ids=["gpipe-uneven", "interleaved-v2", "zbv", "pp2-tp2", "pp2-dp-shard2"])
 def test_every_schedule_and_layout_trains_bitwise_as_torch_pipelining(layout, ranks, tmp_path):
     _verify_bitwise(_build(tmp_path, *layout), tmp_path, ranks=ranks)
 
