@@ -236,7 +236,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     reader = " (importing torch's checkpoint reader)" if cfg.resume or cfg.checkpoint_dir else ""
     with phases(f"rank {env.rank}: checking the run's options and files{reader}", short="checks"):
         run_state = RunState(cfg, artifact.manifest, params, buffers=record.buffers,
-                             model_params=artifact.model_params())
+                             model_params=artifact.model_params(env.rank))
     if startup.STARTED_ENV not in os.environ:  # not spawned by titan-run, which said these already (torchrun)
         for note in run_state.notes:
             _say(env, cfg, None, note)
@@ -313,11 +313,11 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     with step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update, forward_loss):
         results = train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
                              tokens_per_step=tokens_per_step, log=log_all, start=start, after_step=after_step,
-                             update=update,
+                             micro_batches=recipe.micro_batches, update=update,
                              validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                         mesh=mesh),
                              step_metrics=program.step_metrics if len(program.buffers) else None,
-                             **batch_steps(program, recipe))
+                             pipeline_step=pipeline_step(program))
     if env.rank == 0 and not cfg.quiet:
         startup.launcher_phase(phases)
         print(run_summary(records, started=started, startup_s=startup_s, device=device, artifact=artifact,
@@ -350,13 +350,11 @@ def run_summary(records: list[dict], *, started: float, startup_s: float | None,
     return text if not redo else f"{text}\n{redo}."
 
 
-def batch_steps(program, recipe: Recipe) -> dict:
-    """train_loop's micro-batches per step: the recipe's accumulation for a whole-model program;
-    a pipeline program's own, with the step that runs them all through its schedule."""
+def pipeline_step(program) -> Callable | None:
+    """train_loop's step over all of a step's micro-batches: a pipeline program's schedule (None
+    for a whole-model program, which trains micro-batch by micro-batch)."""
     from titan.runtime.pipeline_program import PipelineProgram
-    if not isinstance(program, PipelineProgram):
-        return {"micro_batches": recipe.micro_batches}
-    return {"micro_batches": recipe.micro_batches, "pipeline_step": program.step}
+    return program.step if isinstance(program, PipelineProgram) else None
 
 
 @contextlib.contextmanager

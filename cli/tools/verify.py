@@ -24,7 +24,7 @@ from titan.runtime.startup import rank_phases
 from titan.runtime.run_config import RunConfig
 from titan.runtime.pipeline_program import PipelineProgram
 from titan.runtime.train import (GraphProgram, compiles_regions, make_data, make_optimizer,
-                                 make_validation, step_functions)
+                                 make_validation, pipeline_step, step_functions)
 from titan.runtime.train_loop import StepResults, train_loop
 
 
@@ -66,13 +66,13 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
             eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
                                  device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
                                  micro_batches=recipe.micro_batches, capacity_factor=drop_capacity(m))
-            named, eager_step, pipeline_step = eager.model.named_parameters(), eager.step, {}
+            named, eager_step, eager_pipeline_step = eager.model.named_parameters(), eager.step, None
         else:
             from titan.cli.tools.eager_pipeline import EagerPipeline
             eager = EagerPipeline(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
                                   device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
                                   schedule=m.pipeline.schedule)
-            named, eager_step, pipeline_step = eager.named_params, None, {"pipeline_step": eager.step}
+            named, eager_step, eager_pipeline_step = eager.named_params, None, eager.step
         # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors),
         # LR scheduler and clip_grad_norm_.
         eager_opt = torch.optim.AdamW(eager.params, lr=recipe.schedule.lr, foreach=False, **recipe.adamw)
@@ -88,7 +88,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
         validation = None if m.pipeline else make_validation(eager.forward_loss, m, cfg, coords, device=device,
                                                              mesh=mesh)
         eager_run = train_loop(eager_step, eager_opt, make_data(m, cfg, coords), update=eager_update,
-                               validation=validation, log=eager_steps.append, **kw, **pipeline_step)
+                               validation=validation, log=eager_steps.append, pipeline_step=eager_pipeline_step, **kw)
         eager_params = {fqn: p.detach().cpu() for fqn, p in named}
         del eager, eager_opt, scheduler, eager_update
         if device.type == "cuda":  # the eager model's blocks go back before the artifact's program takes its own
@@ -112,7 +112,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
                                validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                           mesh=mesh), log=artifact_steps.append,
                                step_metrics=program.step_metrics if getattr(program, "redo", None) else None,
-                               **kw, **({} if m.pipeline is None else {"pipeline_step": program.step}))
+                               pipeline_step=pipeline_step(program), **kw)
     fqns = [p.fqn for p in art.rank_params(env.rank)]
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
     return Verdict(eager=eager_run, artifact=graph_run, device=device, params_differ=differ, params=len(fqns),

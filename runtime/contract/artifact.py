@@ -147,11 +147,12 @@ class Artifact:
             return self.rank_record(rank).params
         return tuple(p for s in stages for p in self.rank_record(rank, stage=s).params)
 
-    def model_params(self) -> tuple[ParamSpec, ...]:
-        """Every parameter of the model, as rank 0 holds its shard (a checkpoint's description
-        lists them all); with pipeline stages, each stage's from the first rank that runs it."""
+    def model_params(self, rank: int = 0) -> tuple[ParamSpec, ...]:
+        """Every parameter of the model (a checkpoint's description lists them all, with their
+        global shapes): `rank`'s own program holds a shard of each; with pipeline stages, each
+        stage's from the first rank that runs it."""
         if self.manifest.pipeline is None:
-            return self.rank_record(0).params
+            return self.rank_record(rank).params
         schedule, per_block = self.manifest.pipeline.schedule, self.world_size // self.layout.pp
         return tuple(p for s in range(schedule.n_stages)
                      for p in self.rank_record(schedule.stage_rank[s] * per_block, stage=s).params)
