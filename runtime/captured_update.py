@@ -39,27 +39,30 @@ class CapturedUpdate:
         self.optimizer.prepare()
         if self.eager_left > 0:
             self.eager_left -= 1
-            return self._update(grads)
+            return clipped_update(self.clip, self.optimizer, grads)
         where = [g.data_ptr() for g in grads]
         if self.graph is None or where != self.captured_at:
             self.close()
             self.graph, self.captured_at = torch.cuda.CUDAGraph(), where
             with rank_phases()("capturing the optimizer step in a CUDA graph", short="update capture"), \
                     torch.cuda.graph(self.graph):
-                self.norm = self._update(grads)
+                self.norm = clipped_update(self.clip, self.optimizer, grads)
         self.graph.replay()  # a capture records without running: the replay is the step
         return self.norm
-
-    def _update(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        norm, coef = self.clip.norm_and_coef(grads)
-        fold = coef is not None and all(g.dtype == torch.float32 and g.is_contiguous() for g in grads)
-        if coef is not None and not fold:
-            torch._foreach_mul_(grads, coef)
-        self.optimizer.launch(coef if fold else None)
-        return norm
 
     def close(self) -> None:
         if self.graph is not None:
             torch.cuda.synchronize()
             self.graph.reset()
             self.graph, self.norm = None, None
+
+
+def clipped_update(clip: GlobalNormClip, optimizer: FusedAdamW, grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global norm of `grads`, the clip and the one-kernel AdamW update (device work only, so
+    a capture can record it); returns the norm before the clip."""
+    norm, coef = clip.norm_and_coef(grads)
+    fold = coef is not None and all(g.dtype == torch.float32 and g.is_contiguous() for g in grads)
+    if coef is not None and not fold:
+        torch._foreach_mul_(grads, coef)
+    optimizer.launch(coef if fold else None)
+    return norm

@@ -317,7 +317,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
                              validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                         mesh=mesh),
                              step_metrics=program.step_metrics if len(program.buffers) else None,
-                             pipeline_step=pipeline_step(program))
+                             pipeline_step=pipeline_step(program, step))
     if env.rank == 0 and not cfg.quiet:
         startup.launcher_phase(phases)
         print(run_summary(records, started=started, startup_s=startup_s, device=device, artifact=artifact,
@@ -350,11 +350,11 @@ def run_summary(records: list[dict], *, started: float, startup_s: float | None,
     return text if not redo else f"{text}\n{redo}."
 
 
-def pipeline_step(program) -> Callable | None:
-    """train_loop's step over all of a step's micro-batches: a pipeline program's schedule (None
-    for a whole-model program, which trains micro-batch by micro-batch)."""
+def pipeline_step(program, step: Callable) -> Callable | None:
+    """train_loop's step over all of a step's micro-batches: step_functions' `step` for a pipeline
+    program (its schedule), None for a whole-model program (which trains micro-batch by micro-batch)."""
     from titan.runtime.pipeline_program import PipelineProgram
-    return program.step if isinstance(program, PipelineProgram) else None
+    return step if isinstance(program, PipelineProgram) else None
 
 
 @contextlib.contextmanager
@@ -362,19 +362,30 @@ def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, 
                    optimizer: AdamW):
     """The program's (micro-batch step, update, validation loss) for train_loop: on a GPU unless
     disabled, each captured in a CUDA graph (the update when the optimizer is the one-kernel
-    AdamW); released on exit. A pipeline program runs op by op (its step is its own)."""
+    AdamW); released on exit. A pipeline program's step runs all of a step's micro-batches
+    through its schedule, on a GPU captured with the update in one graph
+    (runtime/captured_pipeline.py)."""
     pipeline = getattr(program, "pp_group", None)
     clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm,
                           pipeline_group=pipeline)
     update = op_by_op_update(program, clip, optimizer)
+    if pipeline is not None and (device.type != "cuda" or not cfg.cuda_graphs):
+        yield program.step, update, None
+        return
+    from titan.runtime.fused_adamw import FusedAdamW
     if pipeline is not None:
-        yield None, update, None
+        from titan.runtime.captured_pipeline import CapturedPipelineStep
+        captured = CapturedPipelineStep(program, clip=clip, update_op_by_op=update,
+                                        optimizer=optimizer if isinstance(optimizer, FusedAdamW) else None)
+        try:
+            yield captured.step, captured.update, None
+        finally:
+            captured.close()
         return
     if device.type != "cuda" or not cfg.cuda_graphs:
         yield program.step, update, program.forward_loss
         return
     from titan.runtime.cudagraph import CapturedLoss, CapturedStep
-    from titan.runtime.fused_adamw import FusedAdamW
     if program.redo is None:
         step = CapturedStep(program)
     else:  # a bounded MoE dispatch: three captures and the decision between them

@@ -6,7 +6,8 @@
 #   NGPU=2 bash benchmarks/gpu/gpu_pipeline.sh          # pp 2: 1f1b, gpipe, interleaved-1f1b, zbv
 #   NGPU=4 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 2 x tp 2, pp 2 x dp-shard 2, pp 4
 #   NGPU=8 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 4 x tp 2, pp 8
-# CASES="name ..." runs those only. Pipeline steps run op by op (no CUDA graph yet).
+# CASES="name ..." runs those only. Each rank's whole step is one CUDA graph (runtime/captured_pipeline.py);
+# the verify and the timing also run with --no-cuda-graphs (op by op) beside it.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
 install_titan
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
@@ -23,22 +24,28 @@ CASE_LIST=(
   "8|pp4-tp2|$DEBUG --pp 4 --tp 2 --microbatches 8"
   "8|pp8-1f1b|$DEBUG --pp 8 --microbatches 8"
 )
-printf '%-18s %-8s %-28s %-14s %s\n' case ranks verify "median step" "peak memory" > "$OUT/pipeline.txt"
+printf '%-18s %-6s %-24s %-24s %-12s %-12s %s\n' case ranks "verify graph" "verify op-by-op" "step graph" "op-by-op" "peak memory" > "$OUT/pipeline.txt"
+median_step() {  # the median step time of a metrics file, leaving out the first three steps
+  python3 -c "import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])][1:]; print(f\"{statistics.median(x['step_time_s'] for x in r[2:])*1e3:.1f} ms\")" "$1" 2>/dev/null
+}
 for entry in "${CASE_LIST[@]}"; do
   IFS='|' read -r need name build <<< "$entry"
   [ "$need" -le "$NGPU" ] || continue
   case " ${CASES:-$name} " in *" $name "*) ;; *) continue;; esac
   art=artifacts/gpu-$name
   titan-build $build --out "$art" --replace > "$OUT/build-$name.txt" 2>&1 || { echo "$name: build failed"; tail -3 "$OUT/build-$name.txt"; continue; }
-  verdict="-"
+  verdict="-"; verdict_ops="-"
   if [ "$name" != 1b-pp2 ]; then  # the 1B case is timed only (its eager reference is the same code at 1B)
     timeout 300 titan-verify "$art" --steps 6 --device cuda --deterministic --max-norm 1.0 > "$OUT/verify-$name.txt" 2>&1
-    verdict="exit $? $(grep -m1 '^bitwise equal' "$OUT/verify-$name.txt")"
+    verdict="exit $? $(grep -m1 -o '^bitwise equal: [a-z]*' "$OUT/verify-$name.txt")"
+    timeout 300 titan-verify "$art" --steps 6 --device cuda --deterministic --max-norm 1.0 --no-cuda-graphs > "$OUT/verify-ops-$name.txt" 2>&1
+    verdict_ops="exit $? $(grep -m1 -o '^bitwise equal: [a-z]*' "$OUT/verify-ops-$name.txt")"
+    grep -q '^bitwise equal' "$OUT/verify-$name.txt" || grep -iE 'error|differ' "$OUT/verify-$name.txt" | head -3
   fi
-  timeout 300 titan-run "$art" --steps 12 --device cuda --metrics "$OUT/run-$name.jsonl" > "$OUT/run-$name.txt" 2>&1
-  step=$(python3 -c "import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])][1:]; print(f\"{statistics.median(x['step_time_s'] for x in r[2:])*1e3:.1f} ms\")" "$OUT/run-$name.jsonl" 2>/dev/null)
+  timeout 300 titan-run "$art" --steps 12 --device cuda --metrics "$OUT/run-$name.jsonl" > "$OUT/run-$name.txt" 2>&1 || tail -3 "$OUT/run-$name.txt"
+  timeout 300 titan-run "$art" --steps 12 --device cuda --no-cuda-graphs --metrics "$OUT/ops-$name.jsonl" > "$OUT/ops-$name.txt" 2>&1
   peak=$(grep -o 'peak memory [^;.]*' "$OUT/run-$name.txt" | head -1)
-  printf '%-18s %-8s %-28s %-14s %s\n' "$name" "$need" "$verdict" "${step:-run failed}" "$peak" >> "$OUT/pipeline.txt"
+  printf '%-18s %-6s %-24s %-24s %-12s %-12s %s\n' "$name" "$need" "$verdict" "$verdict_ops" "$(median_step "$OUT/run-$name.jsonl" || echo failed)" "$(median_step "$OUT/ops-$name.jsonl" || echo failed)" "$peak" >> "$OUT/pipeline.txt"
   echo "$name done at $(elapsed) s"
 done
 cat "$OUT/pipeline.txt"

@@ -112,7 +112,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
                                validation=make_validation(forward_loss, m, cfg, program.coords, device=device,
                                                           mesh=mesh), log=artifact_steps.append,
                                step_metrics=program.step_metrics if getattr(program, "redo", None) else None,
-                               pipeline_step=pipeline_step(program), **kw)
+                               pipeline_step=pipeline_step(program, step), **kw)
     fqns = [p.fqn for p in art.rank_params(env.rank)]
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
     return Verdict(eager=eager_run, artifact=graph_run, device=device, params_differ=differ, params=len(fqns),
