@@ -44,7 +44,7 @@ for entry in "${CASE_LIST[@]}"; do
   fi
   timeout 300 titan-run "$art" --steps 12 --device cuda --metrics "$OUT/run-$name.jsonl" > "$OUT/run-$name.txt" 2>&1 || tail -3 "$OUT/run-$name.txt"
   timeout 300 titan-run "$art" --steps 12 --device cuda --no-cuda-graphs --metrics "$OUT/ops-$name.jsonl" > "$OUT/ops-$name.txt" 2>&1
-  peak=$(grep -o 'peak memory [^;.]*' "$OUT/run-$name.txt" | head -1)
+  peak=$(grep -o 'peak GPU memory [^;(]*' "$OUT/run-$name.txt" | head -1)
   printf '%-18s %-6s %-24s %-24s %-12s %-12s %s\n' "$name" "$need" "$verdict" "$verdict_ops" "$(median_step "$OUT/run-$name.jsonl" || echo failed)" "$(median_step "$OUT/ops-$name.jsonl" || echo failed)" "$peak" >> "$OUT/pipeline.txt"
   echo "$name done at $(elapsed) s"
 done
