@@ -5,7 +5,7 @@ a --config TOML file) are parsed once into a RunConfig, and runtime/run_state.py
 against the artifact (and the checkpoint) on every rank, whether titan-run spawned it or
 torchrun did. Without RANK set, titan-run first makes the same checks once (runtime/launch.py),
 so that a mistake is one line before any rank starts, then spawns the artifact's world size of
-local ranks.
+local ranks; an artifact of one rank trains in this process (no second interpreter to start).
 """
 
 from __future__ import annotations
@@ -56,8 +56,11 @@ def main(artifact, trust_keys, trust_unsigned_kernels, **values):
             click.echo(note)
         click.echo(f"start: {origin}")
         click.echo(f"starting {art.world_size} rank(s)")
-        from titan.runtime.launch import launch
-        sys.exit(launch(art, started=t0, module="titan.cli.run", args=command_args()))
+        if art.world_size > 1:
+            from titan.runtime.launch import launch
+            sys.exit(launch(art, started=t0, module="titan.cli.run", args=command_args()))
+        from titan.runtime.launch import become_the_rank
+        become_the_rank(started=t0)  # and train below, in this process
     from titan.runtime.startup import rank_phases
     with rank_phases()(f"rank {os.environ['RANK']}: importing torch", short="torch import"):
         from titan.runtime.distributed import exit_rank

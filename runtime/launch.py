@@ -63,11 +63,24 @@ def check_run(art: Artifact, cfg: RunConfig) -> tuple[str, list[str]]:
 def launch(art: Artifact, *, started: float, module: str, args: list[str]) -> int:
     """Spawn the run's ranks on this host (`python -m module args`, as torchrun would start
     them); returns the job's exit code. Rank 0 times the run's start-up from `started`."""
+    _mark_start(started)
+    return spawn_local(module, args, art.world_size)
+
+
+def become_the_rank(*, started: float) -> None:
+    """Make this process the job's one rank (a world size of 1): the environment a spawned rank
+    would get, set here. A second interpreter would only import torch again (seconds of a
+    start that should take few); a signal ends this process as it ends a launcher (its undo
+    actions, one line), so nothing else differs."""
+    _mark_start(started)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1")
+
+
+def _mark_start(started: float) -> None:
     from titan.runtime.startup import SPAWNED_ENV, STARTED_ENV
 
     os.environ[STARTED_ENV] = repr(started)
     os.environ[SPAWNED_ENV] = repr(time.time())
-    return spawn_local(module, args, art.world_size)
 
 
 def check_gpus(world_size: int, device: str) -> None:
