@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import titan
 
 DEBUG = ("--flavor", "debug")
@@ -19,6 +21,7 @@ def _build(cwd, *args):
                           capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_builds_differing_only_in_seq_len_never_replace_each_others_artifact(tmp_path, debug_artifact):
     debug_artifact()  # the session cache holds the default single-rank build
     first, second = _build(tmp_path), _build(tmp_path, "--seq-len", 64)

@@ -11,6 +11,8 @@ import time
 
 import filelock
 
+import pytest
+
 from conftest import own, read_metrics, titan
 from titan.runtime.contract.artifact import open_artifact
 
@@ -64,6 +66,7 @@ def test_concurrent_builders_of_one_key_trace_once(tmp_path):
             assert (tmp_path / f"a{i}" / rel).read_bytes() == (tmp_path / "a0" / rel).read_bytes()
 
 
+@pytest.mark.slow
 def test_killed_builder_leaves_nothing_trusted_and_rebuild_runs_as_before(tmp_path):
     ref_cache, cache = tmp_path / "ref-cache", tmp_path / "cache"
     assert titan("build", *SINGLE, "--tp", 2, "--out", tmp_path / "ref", env=_env(ref_cache)).returncode == 0
@@ -117,6 +120,7 @@ def test_flipped_byte_is_caught_by_verify_rebuild_and_runtime(tmp_path):
     assert run.returncode == 2 and "does not match its sha256" in run.stderr
 
 
+@pytest.mark.slow
 def test_explain_names_the_changed_factor(tmp_path):
     cache = tmp_path / "cache"
     assert titan("build", *SINGLE, "--out", tmp_path / "a", env=_env(cache)).returncode == 0
@@ -127,6 +131,7 @@ def test_explain_names_the_changed_factor(tmp_path):
     assert "seq len 128 -> 64" in miss and "passes +partition:default -partition:min_cut" in miss
 
 
+@pytest.mark.slow
 def test_gc_by_age_and_size_skips_locked_entries(tmp_path):
     cache = tmp_path / "cache"
     for seq in (64, 128):

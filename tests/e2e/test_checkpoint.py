@@ -62,6 +62,7 @@ def _run(art, *args):
     return r
 
 
+@pytest.mark.slow
 def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_metrics_file(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
     whole, metrics, ckpt = (tmp_path / n for n in ("whole.jsonl", "metrics.jsonl", "ckpt"))
@@ -104,6 +105,7 @@ def test_a_fresh_run_never_truncates_a_metrics_file(debug_artifact, tmp_path):
     assert metrics.read_text().count("\n") == 1
 
 
+@pytest.mark.slow
 def test_resume_with_other_settings_is_refused_naming_each_or_taken_with_the_override(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
     ckpt, data = tmp_path / "ckpt", tmp_path / "tokens.bin"
@@ -142,6 +144,7 @@ def test_tp_checkpoint_trains_on_fsdp_like_a_fresh_fsdp_run(dp_shard, debug_arti
     assert _losses(resumed) == _losses(fresh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp_shard, fsdp_rows", [(2, {128}), (3, {86, 84})])
 def test_reshard_fsdp_checkpoint_to_tp_exactly(dp_shard, fsdp_rows, debug_artifact, tmp_path):
     """A trained dp_shard=2 checkpoint (parameters and AdamW state) loaded by tp=2 ranks and
@@ -183,6 +186,7 @@ def _one_error(r) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_are_refused_and_nothing_is_lost(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
     ckpt = tmp_path / "ckpt"

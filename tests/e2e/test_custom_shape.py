@@ -17,6 +17,7 @@ from titan.builder.models import MODELS
 LAYOUT = dict(tp=2, dp_shard=1, dp_replicate=1, batch_size=None, seq_len=None)
 
 
+@pytest.mark.slow
 def test_a_custom_vocabulary_and_width_train_bitwise_equal_to_eager(tmp_path):
     art = tmp_path / "custom"
     r = titan("build", "--flavor", "debug", "--tp", 2, "--vocab-size", 1000, "--dim", 128, "--out", art)

@@ -117,6 +117,7 @@ def test_missing_tokenizer_package_names_the_install_command(tmp_path):
                                 "tiktoken)")
 
 
+@pytest.mark.slow
 def test_data_that_is_not_a_usable_token_file_is_one_error_before_any_rank_starts(tmp_path, debug_artifact):
     art = debug_artifact(tp=2)
     empty, text, short = tmp_path / "empty.bin", tmp_path / "notes.txt", tmp_path / "short.bin"

@@ -45,6 +45,7 @@ def test_first_step_loss_matches_transformers_with_two_expert_parallel_ranks(hf_
         torch.testing.assert_close(out["eager.loss"], expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_export_round_trip_with_two_expert_parallel_ranks(hf_debug, debug_artifact, tmp_path):
     """Hugging Face -> `titan-run --init-from-hf --steps 0 --checkpoint-dir` on the ep=2 artifact
     (each rank holds half the experts) -> `titan-export`: every tensor of the checkpoint comes

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import titan
 
 
@@ -52,6 +54,7 @@ def test_fsdp_ranks_share_graphs_and_differ_only_in_shard_coordinates(debug_arti
     assert rank[2].startswith("params slices: [[0, 2, 0]] -> [[0, 2, 1]] for ") and rank[2].endswith("(21 params)")
 
 
+@pytest.mark.slow
 def test_builds_with_different_passes_show_what_changed(debug_artifact):
     a = debug_artifact(dp_shard=2)
     b = debug_artifact(dp_shard=2, extra=("--partitioner", "default"))

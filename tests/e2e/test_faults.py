@@ -29,6 +29,7 @@ def _wait_for(stream_path: Path, text: str, timeout: float) -> None:
     raise AssertionError(f"{text!r} never appeared in {stream_path}: {stream_path.read_text()[-2000:]}")
 
 
+@pytest.mark.slow
 def test_killed_rank_makes_its_peer_exit_with_a_clear_error(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
     procs, logs = [], []
@@ -79,6 +80,7 @@ def _limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
 
 
+@pytest.mark.slow
 def test_full_disk_during_build_fails_cleanly_and_leaves_the_cache_consistent(tmp_path):
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "titan.cli.build", *SINGLE, "--out", str(tmp_path / "art")],

@@ -86,6 +86,7 @@ def test_kernel_store_serves_intact_plans_only_and_gc_goes_by_last_use(tmp_path)
     assert sorted(p.stem for p in (kernels / "kernels").glob("*.json")) == [own(keys[1])]
 
 
+@pytest.mark.slow
 def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact):
     from titan.runtime.contract.graph_doc import read_doc
 
@@ -104,6 +105,7 @@ def test_region_passes_tag_consecutive_runs_and_blocks_cover_more(debug_artifact
     assert block_kinds == {"block"} and block_covered > covered
 
 
+@pytest.mark.slow
 def test_default_exact_regions_hold_only_measured_element_wise_ops_and_stay_eager_on_cpu(debug_artifact, tmp_path):
     from titan.builder.passes.regions import EXACT_OPS
     from titan.runtime.contract.graph_decode import resolve_target, target_name

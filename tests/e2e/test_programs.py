@@ -86,6 +86,7 @@ def test_bound_program_equals_an_independent_trace_of_an_untraced_rank(debug_art
     assert bound == traced.meta and stored["params"] != traced.meta.to_json()["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(tp=4), dict(tp=2, dp_shard=2)], ids=["tp4", "tp2-dp_shard2"])
 def test_every_rank_trains_bitwise_equal_to_eager(layout, debug_artifact, tmp_path):
     assert_every_rank_equals_eager(debug_artifact(**layout), tmp_path, steps=3, ranks=4)
