@@ -1,5 +1,5 @@
-"""titan-build --kernels: compile a build's fusion regions on one GPU of the kind the job will
-run on, record them (kernel key -> sha256) in the build's cache entry, and export them into
+"""titan-build --kernels: compile a build's fusion regions (and a flex build's FlexAttention
+kernels: runtime/kernels/flex_kernels.py) on one GPU of the kind the job will run on, record them (kernel key -> sha256) in the build's cache entry, and export them into
 the artifact, so that no rank of any job compiles at start-up, on this host or on a fresh one
 of the same GPU kind that gets a copy of the artifact.
 
@@ -87,6 +87,7 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
 
     from titan.builder.export.offline_kernels import derive_plan
     from titan.runtime.contract.graph_decode import load_graph, region_kinds
+    from titan.runtime.kernels.flex_kernels import flex_kernel_specs
     from titan.runtime.kernels.fusion import compiled_here, region_kernels
     from titan.runtime.kernels.plan_recorder import Unplannable
     from titan.runtime.store.kernel_store import KernelStore
@@ -109,6 +110,7 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
                 with FakeTensorMode(allow_non_fake_inputs=True):
                     gm = load_graph(cache.read_blob(sha), device=device, groups=groups, regions=regions)
                 wanted |= region_kernels(gm, device=target.tag)
+                wanted |= flex_kernel_specs(gm, device=target.tag)  # FlexAttention's fused kernels
     for key, (kind, sub, layouts) in wanted.items():
         if not compiled_here(kind, device):
             continue
