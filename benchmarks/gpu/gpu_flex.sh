@@ -8,7 +8,8 @@
 #     separator 128001, 64-4096 tokens): boundaries at other places in every batch.
 #  ops:     flex_check.py ops: the block mask against torch's create_block_mask, the kernels
 #           against the dense reference and against torch.compile(flex_attention), a CUDA graph
-#           replayed with new boundaries, forward + backward ms at 1B's shape vs SDPA.
+#           replayed with new boundaries, forward + backward ms at 1B's shape vs SDPA; then
+#           tests/gpu/test_flex_cuda.py.
 #  verify:  titan-verify --device cuda --deterministic (CUDA graphs on: captured once, replayed
 #           with each step's boundaries) of debug seq 512 and 1B seq 8192 flex document on the
 #           documents, from an empty kernel store (the flex kernels compiled here, once, and
@@ -37,6 +38,9 @@ if has ops; then
   echo "== ops [$(elapsed) s]"
   timeout 300 python3 benchmarks/gpu/flex_check.py ops 2>&1 | grep -v "^W1\|^I1\|warn" | tail -n 20
   summary+=("ops checks: exit ${PIPESTATUS[0]}")
+  timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_flex_cuda.py > "$OUT/gpu-test.txt" 2>&1
+  summary+=("tests/gpu/test_flex_cuda.py: $(tail -n 1 "$OUT/gpu-test.txt")")
+  grep -E "^(FAILED|E )" "$OUT/gpu-test.txt" | head -20
 fi
 
 verify() {  # NAME ARTIFACT DATA [extra titan-verify flags]: one bitwise row
