@@ -14,9 +14,13 @@
 #           with each step's boundaries) of debug seq 512 and 1B seq 8192 flex document on the
 #           documents, from an empty kernel store (the flex kernels compiled here, once, and
 #           shared by the eager reference and the artifact): bitwise yes/no.
-#  offline: the same for artifacts/flex-offline-debug if carried (built without a GPU:
-#           titan-build --flavor debug --seq-len 512 --attention flex --mask document --eos-id 2047
-#           --kernels --gpu h100 --out artifacts/flex-offline-debug), its kernels from the artifact.
+#  offline: the same for artifacts/flex-offline-debug and -1b if carried, built without a GPU:
+#             titan-build --flavor debug --dtype bf16 --seq-len 512 --attention flex --mask document \
+#               --eos-id 2047 --kernels --gpu h100 --out artifacts/flex-offline-debug
+#             titan-build --flavor 1B --dtype bf16 --seq-len 8192 --attention flex --mask document \
+#               --eos-id 128001 --kernels --gpu h100 --out artifacts/flex-offline-1b
+#           each from an empty kernel store, its kernels trusted: the fusion line should say every
+#           region (the flex ones too) came from the artifact, and bitwise yes.
 #  bench:   train_bench.py on the 1B documents, seq 8192, batch 1: titan (SDPA causal),
 #           titan-flex-doc, tt-compile (SDPA causal), tt-compile-flex (torchtitan's flex,
 #           document mask); tokens/s per GPU.
@@ -67,12 +71,15 @@ if has verify; then
 fi
 
 if has offline; then
-  if [ -f artifacts/flex-offline-debug/manifest.json ]; then
-    TITAN_CACHE_DIR=$OUT/empty-offline verify flex-doc-debug-offline-kernels artifacts/flex-offline-debug \
-      "$OUT/docs-debug.bin" --trust-unsigned-kernels
-  else
-    summary+=("offline: no artifacts/flex-offline-debug carried (skipped)")
-  fi
+  for name in debug 1b; do
+    art=artifacts/flex-offline-$name
+    if [ -f "$art/manifest.json" ]; then
+      TITAN_CACHE_DIR=$OUT/empty-offline-$name VERIFY_STEPS=${VERIFY_STEPS_1B:-4} \
+        verify "flex-doc-$name-offline-kernels" "$art" "$OUT/docs-$name.bin" --trust-unsigned-kernels
+    else
+      summary+=("offline: no $art carried (skipped)")
+    fi
+  done
 fi
 
 if has bench; then

@@ -63,6 +63,8 @@ class OfflineStats:
     target: str
     regions: int = 0
     planned: int = 0
+    flex: int = 0
+    """Of the planned ones, FlexAttention's (runtime/kernels/flex_kernels.py)."""
     left: dict[str, int] = field(default_factory=dict)
     """Why regions got no plan (they compile where they run), and how many for each reason."""
     seconds: float = 0.0
@@ -74,7 +76,7 @@ class OfflineStats:
         why = "; ".join(f"{n}: {reason}" for reason, n in sorted(self.left.items()))
         return (f"built without a GPU for {self.target}, torch {torch.__version__}, triton "
                 f"{importlib.metadata.version('triton')}: {self.planned} of {self.regions} distinct regions as kernel "
-                f"plans in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
+                f"plans" + (f" ({self.flex} of them FlexAttention's)" if self.flex else "") + f" in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
 
 
 def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
@@ -116,9 +118,11 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
             continue
         stats.regions += 1
         found = store.load(key)
+        flex = kind.startswith("flex")
         if found is not None:
             recorded[key] = found[1]
             stats.planned += 1
+            stats.flex += flex
             continue
         try:
             data = derive_plan(sub, layouts, kind, target)
@@ -129,6 +133,7 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
         else:
             recorded[key] = store.save(key, data, device=target.tag)
             stats.planned += 1
+            stats.flex += flex
             continue
         stats.left[why] = stats.left.get(why, 0) + 1
     stats.seconds = time.perf_counter() - t0

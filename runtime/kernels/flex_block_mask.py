@@ -47,7 +47,7 @@ def block_mask_tensors(documents: torch.Tensor | None, *, batch: int, seq: int,
         full = below.expand(batch, 1, tiles, tiles)
         partial = diagonal.expand(batch, 1, tiles, tiles)
     else:
-        ids = documents.view(batch, tiles, BLOCK)
+        ids = documents.reshape(batch, tiles, BLOCK)
         low, high = ids.amin(dim=-1), ids.amax(dim=-1)                    # (batch, tiles)
         q_low, q_high = low[:, :, None], high[:, :, None]                 # query tile on rows
         k_low, k_high = low[:, None, :], high[:, None, :]                 # key tile on columns
