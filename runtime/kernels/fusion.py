@@ -23,6 +23,10 @@ cuda:0: titan-run starts each local rank seeing only its own GPU (as torchrun's
 --virtual-local-rank does); a rank on another index compiles its regions for itself and shares
 nothing. Ranks of a host compile a key under its lock: one compiles, the others load.
 
+FlexAttention's fused kernels (runtime/kernels/flex_kernels.py) are compiled regions too, keyed,
+sourced and stored by the same functions (load_kernel, compile_region): compile_regions loads
+them for a graph's flex calls on GPUs.
+
 On GPUs a compiled region is stored as a kernel plan where it can be (runtime/kernels/kernel_plan.py):
 its cubins and launches as data, run through torch's static CUDA launcher. A run whose regions
 all come as plans never imports inductor, which is most of a warm start's time otherwise. Plans
