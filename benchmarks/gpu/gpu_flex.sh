@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU-host run, one GPU (nvidia-h100-x1): FlexAttention's fused kernels in titan (issue 31).
-#   bash benchmarks/gpu/gpu_flex.sh                       (all parts; about 10 minutes)
-#   PARTS="ops verify" bash benchmarks/gpu/gpu_flex.sh    (a subset: ops, verify, offline, bench)
+#   bash benchmarks/gpu/gpu_flex.sh                 (all parts, in this order: verify offline bench ops;
+#                                                    about 20 minutes: split it over calls)
+#   PARTS="verify ops" bash benchmarks/gpu/gpu_flex.sh;  PARTS="bench offline" bash benchmarks/gpu/gpu_flex.sh
 # Needs for `bench`'s torchtitan rows the peer wheels in .whl/ (as gpu_peers.sh).
 #  0. titan (editable) unless importable; token files of random documents (flex_check.py
 #     documents): debug (vocab 2048, separator 2047, 16-300 tokens) and 1B (vocab 128256,
@@ -27,7 +28,7 @@
 # A table of every result last.
 source "$(dirname "$0")/gpu_common.sh"
 export TITAN_CACHE_DIR=$OUT/cache TITAN_KEY_FILE=$OUT/cache.key
-PARTS=${PARTS:-ops verify offline bench}
+PARTS=${PARTS:-verify bench ops offline}
 STEPS=${STEPS:-12}
 install_titan
 rm -rf "$OUT/cache"
@@ -37,15 +38,6 @@ python3 benchmarks/gpu/flex_check.py documents "$OUT/docs-1b.bin" --vocab 128256
   --shortest 64 --longest 4096
 summary=()
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
-
-if has ops; then
-  echo "== ops [$(elapsed) s]"
-  timeout 300 python3 benchmarks/gpu/flex_check.py ops 2>&1 | grep -v "^W1\|^I1\|warn" | tail -n 20
-  summary+=("ops checks: exit ${PIPESTATUS[0]}")
-  timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_flex_cuda.py > "$OUT/gpu-test.txt" 2>&1
-  summary+=("tests/gpu/test_flex_cuda.py: $(tail -n 1 "$OUT/gpu-test.txt")")
-  grep -E "^(FAILED|E )" "$OUT/gpu-test.txt" | head -20
-fi
 
 verify() {  # NAME ARTIFACT DATA [extra titan-verify flags]: one bitwise row
   local name=$1 art=$2 data=$3; shift 3
@@ -104,4 +96,13 @@ for layout, rows in json.load(open(sys.argv[1]))["rows"]:
               f"{r['tokens_per_s_per_gpu']:>10,.0f} tokens/s/GPU, peak {r.get('peak_gib', 0):.1f} GiB"))
 EOF
 fi
+if has ops; then
+  echo "== ops [$(elapsed) s]"
+  timeout 300 python3 benchmarks/gpu/flex_check.py ops 2>&1 | grep -v "^W1\|^I1\|warn" | tail -n 20
+  summary+=("ops checks: exit ${PIPESTATUS[0]}")
+  timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_flex_cuda.py > "$OUT/gpu-test.txt" 2>&1
+  summary+=("tests/gpu/test_flex_cuda.py: $(tail -n 1 "$OUT/gpu-test.txt")")
+  grep -E "^(FAILED|E )" "$OUT/gpu-test.txt" | head -20
+fi
+
 echo; echo "== summary [$(elapsed) s]"; printf '%s\n' "${summary[@]}"
