@@ -1,6 +1,6 @@
 """The torchtitan rows of train_bench.py: torchtitan's own trainer on titan's data.
 
-    python benchmarks/peer_torchtitan.py --mode tt-eager|tt-compile|tt-toolkit[-nocg] --flavor 1B ...
+    python benchmarks/peer_torchtitan.py --mode tt-eager|tt-compile[-flex]|tt-toolkit[-nocg] --flavor 1B ...
     (one process per rank, launched by train_bench.py; torchtitan 0.2.2 and its needs come from
     the wheels pinned in benchmarks/peer_wheels.txt)
 
@@ -19,6 +19,15 @@ tt-toolkit: torchtitan's `experiments/compiler_toolkit`, 0.2.2's predecessor of 
             graphs), plus `autobucketing_reordering` where there is FSDP communication. The loss
             and the optimizer run eagerly outside the graphs.
 -nocg:      tt-toolkit without its `cudagraph` pass.
+tt-compile-flex: tt-compile with torchtitan's FlexAttention and its document mask
+            (attn_type "flex", attn_mask_type "block_causal": its flex_attention compiled with
+            "max-autotune-no-cudagraphs", the block mask made from the batch's end-of-document
+            tokens each step), the separator id from TITAN_BENCH_EOS; the row titan's flex
+            document rows are measured against (benchmarks/gpu/gpu_flex.sh).
+
+TITAN_BENCH_DATA (a titan-data token file): every row reads its batches from it (as titan-run
+--data does: the same windows in the same order) instead of titan's synthetic tokens, whose
+uniform ids hold almost no document boundaries.
 
 Precision, as titan's rows: bf16 parameters and activations, fp32 gradient reduction, fp32
 master weights. torchtitan 0.2.2 applies FSDP2 only when data_parallel_shard_degree > 1 (its
@@ -61,8 +70,9 @@ SPEC_NAME = "titan_bench_llama3"  # the TrainSpec this worker registers
 TOOLKIT_CONFIG = "torchtitan.experiments.compiler_toolkit.job_config"
 
 
-def model_args(flavor: str):
-    """torchtitan's TransformerModelArgs with titan's shapes for `flavor` (SDPA, causal)."""
+def model_args(flavor: str, *, flex: bool = False):
+    """torchtitan's TransformerModelArgs with titan's shapes for `flavor` (SDPA, causal; or
+    FlexAttention with the document mask)."""
     from torchtitan.models.llama3 import TransformerModelArgs
 
     from titan.builder.models.llama3.config import FLAVORS
@@ -71,7 +81,15 @@ def model_args(flavor: str):
     return TransformerModelArgs(dim=c.dim, n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
                                 vocab_size=c.vocab_size, multiple_of=c.multiple_of,
                                 ffn_dim_multiplier=c.ffn_dim_multiplier, norm_eps=c.norm_eps,
-                                rope_theta=c.rope_theta, attn_type="sdpa", attn_mask_type="causal")
+                                rope_theta=c.rope_theta, attn_type="flex" if flex else "sdpa",
+                                attn_mask_type="block_causal" if flex else "causal")
+
+
+class SeparatorTokenizer:
+    """What torchtitan's flex document mask asks of a tokenizer: the separator id."""
+
+    def __init__(self, eos_id: int) -> None:
+        self.eos_id = eos_id
 
 
 def synthetic_loader(vocab_size: int):
@@ -81,9 +99,15 @@ def synthetic_loader(vocab_size: int):
     from titan.runtime.data import SyntheticTokens
 
     class SyntheticLoader(BaseDataLoader):
-        def __init__(self, *, dp_rank: int, local_batch_size: int, seq_len: int) -> None:
-            self.tokens = SyntheticTokens(vocab_size=vocab_size, batch_size=local_batch_size, seq_len=seq_len,
-                                          seed=0, dp_rank=dp_rank)
+        def __init__(self, *, dp_rank: int, dp_degree: int, local_batch_size: int, seq_len: int) -> None:
+            data = os.environ.get("TITAN_BENCH_DATA")
+            if data:
+                from titan.runtime.data import TokenFile
+                self.tokens = TokenFile(data, dtype=None, vocab_size=vocab_size, batch_size=local_batch_size,
+                                        seq_len=seq_len, dp_rank=dp_rank, dp_degree=dp_degree)
+            else:
+                self.tokens = SyntheticTokens(vocab_size=vocab_size, batch_size=local_batch_size, seq_len=seq_len,
+                                              seed=0, dp_rank=dp_rank)
 
         def __iter__(self):
             step = 0
@@ -99,7 +123,8 @@ def synthetic_loader(vocab_size: int):
             pass
 
     def build(*, dp_world_size: int, dp_rank: int, tokenizer, job_config) -> SyntheticLoader:
-        return SyntheticLoader(dp_rank=dp_rank, local_batch_size=job_config.training.local_batch_size,
+        return SyntheticLoader(dp_rank=dp_rank, dp_degree=dp_world_size,
+                               local_batch_size=job_config.training.local_batch_size,
                                seq_len=job_config.training.seq_len)
 
     return build
@@ -188,8 +213,10 @@ def register_spec(mode: str, flavor: str) -> None:
         from torchtitan.models.llama3 import get_train_spec
         spec = get_train_spec()
         spec = dataclasses.replace(spec, parallelize_fn=one_rank_fsdp(spec.parallelize_fn, _fsdp2))
-    args = model_args(flavor)
-    spec = dataclasses.replace(spec, model_args={flavor: args}, build_tokenizer_fn=None,
+    flex = mode.endswith("-flex")
+    args = model_args(flavor, flex=flex)
+    tokenizer = (lambda job_config: SeparatorTokenizer(int(os.environ["TITAN_BENCH_EOS"]))) if flex else None
+    spec = dataclasses.replace(spec, model_args={flavor: args}, build_tokenizer_fn=tokenizer,
                                build_dataloader_fn=synthetic_loader(args.vocab_size), build_validator_fn=None,
                                pipelining_fn=None, state_dict_adapter=None)
     register_train_spec(SPEC_NAME, spec)
@@ -211,7 +238,7 @@ def job_config(mode: str, flavor: str, layout_name: str, batch: int, seq_len: in
     c.checkpoint.enable = False
     c.validation.enable = False
     c.metrics.log_freq = 10**9
-    c.compile.enable = mode == "tt-compile"
+    c.compile.enable = mode in ("tt-compile", "tt-compile-flex")
     if toolkit:
         fsdp_comm = sizes.get("dp_shard", 1) > 1
         c.compile.passes = (["autobucketing_reordering"] if fsdp_comm else []) + ["regional_inductor"] + (

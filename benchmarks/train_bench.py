@@ -18,7 +18,9 @@ titan:   titan-build (outside the timed run; a cache hit when built before), the
          (the default passes but fuse_exact), titan-nocg (default passes, no CUDA graphs), titan-opbyop (AdamW op by op, not one kernel);
          titan-kernels builds with --kernels (the exact regions' kernels compiled at build time
          and shipped in the artifact: the run loads them, compiling nothing);
-         titan-fuse / titan-fuse-regions use the numerics-changing fusion (titan-build --fuse).
+         titan-fuse / titan-fuse-regions use the numerics-changing fusion (titan-build --fuse);
+         titan-flex / titan-flex-doc: FlexAttention, causal / document mask (--eos-id from
+         TITAN_BENCH_EOS).
 
 Peer rows (PEER_MODES), same shapes, precision policy and data, each in its own processes:
 ref-eager / ref-compile: a plain-PyTorch Llama 3 (FSDP2 + DTensor TP, fused AdamW, per-block
@@ -34,6 +36,8 @@ bf16 matmul rate measured here, time from process start to the end of the first 
 process wall time, peak GPU memory (rank 0), and ratios to eager, to compile and to the best
 peer row of the same layout (the fastest of PEER_MODES that ran).
 BENCH_ROW_TIMEOUT=S: a row still running after S seconds is stopped and reported as timed out.
+TITAN_BENCH_DATA=FILE (a titan-data token file): every row trains on it (titan rows with --data,
+peer rows read the same windows) instead of synthetic tokens: documents for the flex rows.
 BENCH_PROFILE=DIR: rank 0 of each row also profiles its last two steps (profile_steps.py) and
 prints where the GPU time went; those two steps are slower and drop out of the median.
 """
@@ -78,11 +82,15 @@ TITAN_VARIANTS = {
     "titan-kernels": (["--kernels"], [], False),
     "titan-fuse": (["--fuse"], [], False),
     "titan-fuse-regions": (["--fuse", "regions"], [], False),
+    "titan-flex": (["--attention", "flex"], [], False),
+    "titan-flex-doc": (lambda layout: ["--attention", "flex", "--mask", "document",
+                                       "--eos-id", os.environ["TITAN_BENCH_EOS"]], [], False),
 }
 
 # peer mode -> its worker script (in benchmarks/)
 PEER_MODES = {"ref-eager": "peer_ref.py", "ref-compile": "peer_ref.py",
-              **{m: "peer_torchtitan.py" for m in ("tt-eager", "tt-compile", "tt-toolkit", "tt-toolkit-nocg")}}
+              **{m: "peer_torchtitan.py" for m in ("tt-eager", "tt-compile", "tt-toolkit", "tt-toolkit-nocg",
+                                                   "tt-compile-flex")}}
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -286,6 +294,8 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
         else:
             run = [sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
                    "--metrics", str(metrics), *run_flags]
+        if os.environ.get("TITAN_BENCH_DATA"):
+            run += ["--data", os.environ["TITAN_BENCH_DATA"]]
         if opts.max_norm > 0:
             run += ["--max-norm", str(opts.max_norm)]
         wall = _spawn(run, world, env, tmp / f"{layout}-{mode}")

@@ -56,8 +56,8 @@ class PipelineProgram:
                                      "not carry; rebuild it without --pp")
                 forward, backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh), stage=s)
                 # Each micro-batch in flight holds its own saved activations (the schedule's peak).
-                check_device(estimate_from_graphs(record, forward, backward), device,
-                             name=f"{artifact.root} rank {rank} stage {s}")
+                check_device(estimate_from_graphs(record, forward, backward, dense_flex=device.type != "cuda"),
+                             device, name=f"{artifact.root} rank {rank} stage {s}")
                 stats = compile_program_regions(forward, backward, device,
                                                 artifact_kernel=artifact.kernel if artifact_kernels else None)
                 self.fusion = self.fusion or stats

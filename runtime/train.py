@@ -107,8 +107,8 @@ class GraphProgram:
         # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
         self.forward, self.backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh))
         # Before anything is allocated: a program that cannot fit this device is one line, not an OOM.
-        check_device(estimate_from_graphs(record, self.forward, self.backward), device,
-                     name=f"{artifact.root} rank {rank}")
+        check_device(estimate_from_graphs(record, self.forward, self.backward, dense_flex=device.type != "cuda"),
+                     device, name=f"{artifact.root} rank {rank}")
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
         # The artifact's own kernels only when they are trusted (`artifact_kernels`: kernels_trusted).
         self.fusion = compile_program_regions(self.forward, self.backward, device,
@@ -122,8 +122,8 @@ class GraphProgram:
             forward, backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh), redo=True)
             dropless = artifact.rank_record(rank, redo=True)
             # The redo runs alone (the bounded attempt's tensors are freed first): it must fit too.
-            check_device(estimate_from_graphs(dropless, forward, backward), device,
-                         name=f"{artifact.root} rank {rank} (its dropless redo program)")
+            check_device(estimate_from_graphs(dropless, forward, backward, dense_flex=device.type != "cuda"),
+                         device, name=f"{artifact.root} rank {rank} (its dropless redo program)")
             # Its regions are compiled as the bounded program's are: both must run the same kernels.
             compile_program_regions(forward, backward, device,
                                     artifact_kernel=artifact.kernel if artifact_kernels else None)
@@ -211,8 +211,10 @@ COMPILED_ON_ANY_DEVICE = ("fuse_regions", "fuse_blocks")
 
 
 def compiles_regions(manifest: Manifest, device: torch.device) -> bool:
-    """Whether a run of this artifact on `device` compiles (or loads) kernels for its regions."""
-    return any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in manifest.passes)
+    """Whether a run of this artifact on `device` compiles (or loads) kernels for its regions
+    (on a GPU, FlexAttention's fused kernels too: runtime/kernels/flex_kernels.py)."""
+    return (any(p in COMPILED_ON_ANY_DEVICE or (p == "fuse_exact" and device.type == "cuda") for p in manifest.passes)
+            or (device.type == "cuda" and manifest.model_config.get("attention") == "flex"))
 
 
 def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,

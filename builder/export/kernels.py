@@ -1,5 +1,5 @@
-"""titan-build --kernels: compile a build's fusion regions on one GPU of the kind the job will
-run on, record them (kernel key -> sha256) in the build's cache entry, and export them into
+"""titan-build --kernels: compile a build's fusion regions (and a flex build's FlexAttention
+kernels: runtime/kernels/flex_kernels.py) on one GPU of the kind the job will run on, record them (kernel key -> sha256) in the build's cache entry, and export them into
 the artifact, so that no rank of any job compiles at start-up, on this host or on a fresh one
 of the same GPU kind that gets a copy of the artifact.
 
@@ -63,6 +63,8 @@ class OfflineStats:
     target: str
     regions: int = 0
     planned: int = 0
+    flex: int = 0
+    """Of the planned ones, FlexAttention's (runtime/kernels/flex_kernels.py)."""
     left: dict[str, int] = field(default_factory=dict)
     """Why regions got no plan (they compile where they run), and how many for each reason."""
     seconds: float = 0.0
@@ -74,7 +76,7 @@ class OfflineStats:
         why = "; ".join(f"{n}: {reason}" for reason, n in sorted(self.left.items()))
         return (f"built without a GPU for {self.target}, torch {torch.__version__}, triton "
                 f"{importlib.metadata.version('triton')}: {self.planned} of {self.regions} distinct regions as kernel "
-                f"plans in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
+                f"plans" + (f" ({self.flex} of them FlexAttention's)" if self.flex else "") + f" in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
 
 
 def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
@@ -87,6 +89,7 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
 
     from titan.builder.export.offline_kernels import derive_plan
     from titan.runtime.contract.graph_decode import load_graph, region_kinds
+    from titan.runtime.kernels.flex_kernels import flex_kernel_specs
     from titan.runtime.kernels.fusion import compiled_here, region_kernels
     from titan.runtime.kernels.plan_recorder import Unplannable
     from titan.runtime.store.kernel_store import KernelStore
@@ -109,14 +112,17 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
                 with FakeTensorMode(allow_non_fake_inputs=True):
                     gm = load_graph(cache.read_blob(sha), device=device, groups=groups, regions=regions)
                 wanted |= region_kernels(gm, device=target.tag)
+                wanted |= flex_kernel_specs(gm, device=target.tag)  # FlexAttention's fused kernels
     for key, (kind, sub, layouts) in wanted.items():
         if not compiled_here(kind, device):
             continue
         stats.regions += 1
         found = store.load(key)
+        flex = kind.startswith("flex")
         if found is not None:
             recorded[key] = found[1]
             stats.planned += 1
+            stats.flex += flex
             continue
         try:
             data = derive_plan(sub, layouts, kind, target)
@@ -127,6 +133,7 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
         else:
             recorded[key] = store.save(key, data, device=target.tag)
             stats.planned += 1
+            stats.flex += flex
             continue
         stats.left[why] = stats.left.get(why, 0) + 1
     stats.seconds = time.perf_counter() - t0

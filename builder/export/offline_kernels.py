@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from typing import Callable
 from unittest import mock
 
 import torch
@@ -181,9 +182,11 @@ def _launches(compiled, module, layouts: list[dict]):
     return outs, inputs
 
 
-def derive_plan(sub: fx.GraphModule, layouts: list[dict], kind: str, target: GpuTarget) -> bytes:
+def derive_plan(sub: fx.GraphModule | Callable[[], fx.GraphModule], layouts: list[dict], kind: str,
+                target: GpuTarget) -> bytes:
     """The region's kernel plan for `target` (encoded and decode-checked); Unplannable says why
-    there is none (the region then compiles where it runs)."""
+    there is none (the region then compiles where it runs). `sub` may be a function that makes
+    the graph (FlexAttention's: runtime/kernels/flex_kernels.py)."""
     from titan.builder.export.device_standin import standin_gpu
     import titan.runtime.common.compiler_caches as compiler_caches
     from titan.runtime.kernels.fusion import compile_settings
@@ -191,6 +194,7 @@ def derive_plan(sub: fx.GraphModule, layouts: list[dict], kind: str, target: Gpu
 
     recorder = _LaunchRecorder()
     compiler_caches.ensure()  # private caches, and cubins without line info (REPRODUCIBLE)
+    sub = sub if isinstance(sub, fx.GraphModule) else sub()
     with standin_gpu(target):
         settings = compile_settings(kind)
         compiled, sources, kernels, module = _generate(sub, layouts, settings)

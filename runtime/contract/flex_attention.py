@@ -18,8 +18,11 @@ its formulas, with its base-2 logsumexp), and tests check the forward torch.equa
 own eager flex_attention and the backward to the higher-order op's math backward.
 The eager reference (titan-verify) calls this same op, so both run the same kernels.
 
-On a GPU this dense path runs as written (it materializes the (batch, heads, seq, seq) scores);
-FlexAttention's fused Triton kernels are not generated yet (issue 31).
+That is the CPU kernel: it materializes the (batch, heads, seq, seq) scores. On a GPU the op runs
+FlexAttention's fused, block-sparse Triton kernels instead (runtime/kernels/flex_kernels.py:
+inductor's templates for the higher-order op, compiled and stored as kernel plans like the fusion
+regions, the block mask built on the device from `documents` at each call); the eager reference
+on a GPU runs those same kernels.
 q, k, v are (batch, heads, seq, head_dim) with as many key/value heads as query heads; the
 scale is head_dim ** -0.5.
 """
@@ -118,9 +121,23 @@ def _flex_attention_backward_fake(grad_out, q, k, v, out, lse, documents):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
-for _key in ("CPU", "CUDA"):
-    _lib.impl("flex_attention", _flex_attention, _key)
-    _lib.impl("flex_attention_backward", _flex_attention_backward, _key)
+def _flex_attention_cuda(q, k, v, documents):
+    _check(q, k, v, documents)
+    from titan.runtime.kernels.flex_kernels import flex_forward
+    return flex_forward(q, k, v, documents)
+
+
+def _flex_attention_backward_cuda(grad_out, q, k, v, out, lse, documents):
+    _check_backward(grad_out, q, k, v, out, lse, documents)
+    from titan.runtime.kernels.flex_kernels import flex_backward
+    return flex_backward(grad_out, q, k, v, out, lse, documents)
+
+
+_lib.impl("flex_attention", _flex_attention, "CPU")
+_lib.impl("flex_attention_backward", _flex_attention_backward, "CPU")
+# On GPUs: FlexAttention's fused block-sparse kernels (runtime/kernels/flex_kernels.py).
+_lib.impl("flex_attention", _flex_attention_cuda, "CUDA")
+_lib.impl("flex_attention_backward", _flex_attention_backward_cuda, "CUDA")
 torch.library.register_fake("titan::flex_attention", _flex_attention_fake, lib=_lib)
 torch.library.register_fake("titan::flex_attention_backward", _flex_attention_backward_fake, lib=_lib)
 

@@ -7,8 +7,9 @@ The estimate is a lower bound, from the program's metadata and its graphs' recor
 the fp32 parameters and AdamW's two moments (alive from the first step on), the buffers, and
 the larger of the saved activations (all alive at the end of the forward) and the largest
 single result of either graph, plus the dense FlexAttention kernel's workspace where a graph
-calls it (its (batch, heads, seq, seq) float32 scores and the boolean mask: the mask of an
-artifact built with --attention flex is made inside that kernel, issue 31). Gradients and other
+calls it on the CPU (its (batch, heads, seq, seq) float32 scores and the boolean mask: the mask
+of an artifact built with --attention flex is made inside that kernel, issue 31; on a GPU the
+fused kernels hold none). Gradients and other
 transients come on top, so a program over
 the bound cannot run, and one under it may still not: it never refuses a run that fits.
 No torch import at module level (titan-run's launcher checks before it imports torch)."""
@@ -114,9 +115,12 @@ def _val_bytes(val) -> int:
     return 0
 
 
-def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.GraphModule) -> MemoryEstimate:
+def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.GraphModule, *,
+                         dense_flex: bool = True) -> MemoryEstimate:
     """From the graphs this rank loaded: the saved activations are the forward's results after
-    the buffer updates and the loss, and no result of either graph is smaller than itself."""
+    the buffer updates and the loss, and no result of either graph is smaller than itself.
+    `dense_flex`: whether the flex op runs its dense kernel (the CPU's; on a GPU its fused kernels
+    hold no score-sized workspace: runtime/kernels/flex_kernels.py)."""
     fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
     saved = sum(_val_bytes(n.meta.get("titan_val")) for n in fw_out[len(record.mutated_buffers) + 1:]
                 if n is not None)
@@ -124,7 +128,7 @@ def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: 
                    if n.op == "call_function"), default=0)
     return MemoryEstimate(param_elements=param_elements(record), buffers=_buffer_bytes(record),
                           activations=max(saved, largest),
-                          attention_workspace=flex_attention_workspace((forward, backward)))
+                          attention_workspace=flex_attention_workspace((forward, backward)) if dense_flex else 0)
 
 
 def capacity_saving(bounded: RankRecord, dropless: RankRecord) -> str:

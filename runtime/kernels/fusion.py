@@ -23,6 +23,10 @@ cuda:0: titan-run starts each local rank seeing only its own GPU (as torchrun's
 --virtual-local-rank does); a rank on another index compiles its regions for itself and shares
 nothing. Ranks of a host compile a key under its lock: one compiles, the others load.
 
+FlexAttention's fused kernels (runtime/kernels/flex_kernels.py) are compiled regions too, keyed,
+sourced and stored by the same functions (load_kernel, compile_region): compile_regions loads
+them for a graph's flex calls on GPUs.
+
 On GPUs a compiled region is stored as a kernel plan where it can be (runtime/kernels/kernel_plan.py):
 its cubins and launches as data, run through torch's static CUDA launcher. A run whose regions
 all come as plans never imports inductor, which is most of a warm start's time otherwise. Plans
@@ -61,21 +65,39 @@ _EXACT_SETTINGS = {
     # of an element-wise kernel computes the same bits; only the block size differs.
     "triton.autotune_pointwise": False,
 }
+# FlexAttention's kernels (runtime/kernels/flex_kernels.py): its backward has a reduction before
+# the template, and a reduction gets several configs to choose among by timing unless inductor
+# is deterministic (one config, chosen by rule: what a build without a GPU can make too).
+_FLEX_SETTINGS = {
+    "deterministic": True,
+    "triton.autotune_pointwise": False,
+}
 
 
-def exact_config() -> dict[str, bool]:
-    """The exact settings that this torch's inductor has."""
+def settings_asked(kind: str) -> dict[str, bool]:
+    """The inductor settings a region of `kind` asks for (a kernel key's factor: the settings
+    asked, not the subset this inductor has, which would need inductor imported to read)."""
+    return _EXACT_SETTINGS if kind == EXACT else _FLEX_SETTINGS if kind.startswith("flex") else {}
+
+
+def available_settings(kind: str) -> dict[str, bool]:
+    """The settings asked for `kind` that this torch's inductor has."""
     import torch._inductor.config as ic
 
     missing = object()
     out = {}
-    for key, value in _EXACT_SETTINGS.items():
+    for key, value in settings_asked(kind).items():
         obj = ic
         for part in key.split("."):
             obj = getattr(obj, part, missing)
         if obj is not missing:
             out[key] = value
     return out
+
+
+def exact_config() -> dict[str, bool]:
+    """The exact settings that this torch's inductor has."""
+    return available_settings(EXACT)
 
 
 EXACT = "exact"
@@ -91,8 +113,14 @@ def compiled_here(kind: str, device: torch.device) -> bool:
     return kind != EXACT or device.type == "cuda"
 
 
+FLEX_OPS = frozenset({"titan.flex_attention.default", "titan.flex_attention_backward.default"})
+"""The flex op, whose CUDA kernels are compiled regions too (runtime/kernels/flex_kernels.py)."""
+
+
 def has_regions(gm: fx.GraphModule, device: torch.device) -> bool:
-    return any((tag := n.meta.get("titan_region")) and compiled_here(_kind(tag), device) for n in gm.graph.nodes)
+    return any(((tag := n.meta.get("titan_region")) and compiled_here(_kind(tag), device))
+               or (device.type == "cuda" and n.op == "call_function" and str(n.target) in FLEX_OPS)
+               for n in gm.graph.nodes)
 
 
 class KernelSources:
@@ -172,8 +200,8 @@ def kernel_key(sub: fx.GraphModule, layouts: list[dict], kind: str, context: dic
     # The settings asked for, not the subset this inductor has: reading that would import
     # inductor, which a run whose kernels are all plans never does (the torch version in the
     # key fixes the subset).
-    settings = _EXACT_SETTINGS if kind == EXACT else {}
-    return hashlib.sha256(json.dumps([sub.code, layouts, context, settings], sort_keys=True).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps([sub.code, layouts, context, settings_asked(kind)],
+                                     sort_keys=True).encode()).hexdigest()[:32]
 
 
 def _versions() -> dict[str, str]:
@@ -252,14 +280,17 @@ def compile_settings(kind: str) -> dict[str, bool]:
     named GPU, builder/export/offline_kernels.py: the same settings make the same kernels)."""
     import torch._inductor.config as inductor_config
 
-    settings = exact_config() if kind == EXACT else {}
+    settings = available_settings(kind)
     # Plans are recorded from the static launcher's calls: use it wherever inductor can.
     return settings | {name: True for name in ("use_static_cuda_launcher", "use_static_triton_launcher")
                        if hasattr(inductor_config, name)}
 
 
-def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device):
-    """(the compiled region, its kernel plan's bytes or None: runtime/kernels/kernel_plan.py)."""
+def compile_region(sub: fx.GraphModule | Callable[[], fx.GraphModule], layouts: list[dict], kind: str,
+                   device: torch.device, *, inputs: Callable[[], list[torch.Tensor]] | None = None):
+    """(the compiled region, its kernel plan's bytes or None: runtime/kernels/kernel_plan.py).
+    `sub` may be a function that makes the graph (made only here, where inductor is imported);
+    `inputs` makes the inputs its plan is recorded on, where random ones of `layouts` will not do."""
     compiler_caches.ensure()  # inductor's caches are the user's private ones before it is imported
     from torch._inductor import standalone_compile
 
@@ -269,10 +300,12 @@ def _compile(sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.
     from titan.runtime.kernels.plan_recorder import record_plan, recording
 
     settings = compile_settings(kind)
+    sub = sub if isinstance(sub, fx.GraphModule) else sub()
     examples = [_example(v, device) for v in layouts]
     with recording() as recorder, inductor_config.patch(settings):
         compiled = standalone_compile(sub, examples, dynamic_shapes="from_example_inputs")
-        plan = record_plan(compiled, layouts, device, recorder) if recorder is not None and device.type == "cuda" else None
+        plan = (record_plan(compiled, layouts, device, recorder, inputs=inputs)
+                if recorder is not None and device.type == "cuda" else None)
     data = encode_plan(plan) if plan is not None else None
     if data is not None:
         try:
@@ -297,10 +330,11 @@ def _planned(data: bytes, device: torch.device, where: str):
                          "(titan-cache verify --remove) or rebuild the artifact's kernels with titan-build --kernels") from None
 
 
-def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], kind: str, device: torch.device,
-            sources: KernelSources, stats: FusionStats):
-    """The region's compiled kernels: from the artifact, the store, or compiled (once per host:
-    under the key's lock, the first rank compiles and the others then load)."""
+def load_kernel(key: str, compile_here: Callable[[], tuple], device: torch.device, sources: KernelSources,
+                stats: FusionStats):
+    """The region's compiled kernels: from the artifact, the store, or compiled by `compile_here`
+    (-> (compiled, plan bytes or None); once per host: under the key's lock, the first rank
+    compiles and the others then load)."""
     data = sources.artifact_kernel(key)
     if data is not None:
         region = _planned(data, device, "the artifact")
@@ -313,7 +347,7 @@ def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], kind: str, devic
     if not sources.shareable:
         stats.compiled += 1
         stats.unstored += 1
-        return _compile(sub, layouts, kind, device)[0]
+        return compile_here()[0]
     store = sources.store
     found = store.load(key)
     region = None if found is None else _planned(found[0], device, "the kernel store")
@@ -323,7 +357,7 @@ def _kernel(key: str, sub: fx.GraphModule, layouts: list[dict], kind: str, devic
             found = store.load(key)  # compiled by another rank while this one waited
             region = None if found is None else _planned(found[0], device, "the kernel store")
             if region is None:
-                compiled, plan = _compile(sub, layouts, kind, device)
+                compiled, plan = compile_here()
                 stats.compiled += 1
                 if plan is None:
                     stats.unstored += 1  # compiled again by each run (no plan: nothing to store)
@@ -376,8 +410,8 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
         else:
             sub = _extract(run, inputs, outputs)
             layouts = [_input_layout(a) for a in inputs]
-            compiled = _kernel(kernel_key(sub, layouts, kind, context), sub, layouts, kind, device,
-                               sources, stats)
+            compiled = load_kernel(kernel_key(sub, layouts, kind, context),
+                                   lambda: compile_region(sub, layouts, kind, device), device, sources, stats)
             memo[signature] = compiled
         stats.regions += 1
         stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
@@ -392,5 +426,8 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
             graph.erase_node(n)
     gm.graph.lint()
     gm.recompile()
+    if device.type == "cuda":  # the flex op's fused kernels, loaded before anything runs
+        from titan.runtime.kernels.flex_kernels import prepare_flex
+        prepare_flex(gm, device=device, sources=sources, stats=stats)
     stats.seconds += time.perf_counter() - t0
     return gm

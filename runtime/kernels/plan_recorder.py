@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -175,9 +176,11 @@ class _Pointers:
                       stride=tuple(out.stride()), offset=out.storage_offset())
 
 
-def record_plan(compiled, layouts: list[dict], device: torch.device, recorder: _Recorder) -> Plan | None:
-    """The compiled region's plan, checked bit for bit against it; None where it has none."""
-    inputs = [random_input(v, device) for v in layouts]
+def record_plan(compiled, layouts: list[dict], device: torch.device, recorder: _Recorder, *,
+                inputs: Callable[[], list[torch.Tensor]] | None = None) -> Plan | None:
+    """The compiled region's plan, checked bit for bit against it; None where it has none.
+    `inputs` makes the inputs to record on (random ones of `layouts` by default)."""
+    inputs = inputs() if inputs is not None else [random_input(v, device) for v in layouts]
     try:
         compiled(*[_clone(t) for t in inputs])  # tunes and loads whatever loads lazily
         torch.cuda.synchronize(device)

@@ -45,3 +45,20 @@ def test_every_exact_region_becomes_a_checked_plan_and_two_builds_make_the_same_
     for data in one.values():
         plan = decode_plan(data)
         assert plan.launches and all(k.cubin.startswith(b"\x7fELF") for k in plan.kernels)
+
+
+def test_flex_builds_carry_the_fused_attention_kernels_as_plans(tmp_path):
+    """A flex document build: FlexAttention's forward template and its backward (the row
+    reduction and the template) planned beside the exact regions, keyed as the GPU run keys them."""
+    from titan.runtime.kernels.kernel_plan import decode_plan
+
+    env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"), TITAN_KEY_FILE=str(tmp_path / "key" / "cache.key"))
+    art = tmp_path / "art"
+    r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--seq-len", "256", "--attention", "flex", "--mask",
+              "document", "--eos-id", "2047", "--kernels", "--gpu", "h100", "--out", art, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("kernels: "))
+    assert "left to compile" not in line, line
+    names = sorted(k.name for data in _kernels(art).values() for k in decode_plan(data).kernels
+                   if "flex_attention" in k.name)
+    assert [n.split("_")[1] for n in names] == ["per", "tem", "tem"], names  # reduction, backward and forward templates
