@@ -2,7 +2,7 @@
 process, for titan and for an independent plain Llama (plain_llama.py), on one GPU.
 
     python benchmarks/startup_table.py --kernels-artifact A --artifact B [--flavor 1B]
-        [--seq-len 2048] [--steps 6] [--repeat 1] [--json out.json] [--logs DIR]
+        [--seq-len 2048] [--steps 6] [--repeat 1] [--json out.json] [--logs DIR] [--device cuda]
 
 A is built with `titan-build --kernels` and B without, both with this flavor, sequence length
 and batch 1 (the build is not part of a row). Each row is one process launched alone, on
@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,15 +53,30 @@ def titan_run() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "titan.cli.run"]
 
 
+_running: subprocess.Popen | None = None
+"""The row's process now running: its whole group is stopped with this script (see main)."""
+
+
+def stop_running_row(*_) -> None:
+    if _running is not None and _running.poll() is None:
+        os.killpg(_running.pid, signal.SIGKILL)  # titan-run's rank processes with it
+    sys.exit(1)
+
+
 def run_row(cmd: list[str], env: dict, log: Path, timeout: float) -> dict:
-    """One process: its launch time, wall time and output; a failure says why."""
+    """One process (and what it starts) in a group of its own: launch time, wall time, output; a
+    failure says why."""
+    global _running
     env = dict(env, PYTHONUNBUFFERED="1")
     t0 = time.time()
     env["BENCH_T0"] = str(t0)
     with log.open("w") as f:
+        _running = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = _running.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(_running.pid, signal.SIGKILL)
+            _running.wait()
             return {"failed": f"timed out after {timeout:.0f} s", "t0": t0}
     out = {"t0": t0, "process_s": time.time() - t0}
     text = log.read_text(errors="replace")
@@ -74,7 +90,8 @@ def plain_row(name: str, a, cache: Path, logs: Path) -> dict:
     record = logs / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).parent / "plain_llama.py"), "--flavor", a.flavor,
            "--seq-len", str(a.seq_len), "--batch-size", "1", "--steps", str(a.steps), "--json", str(record),
-           "--compile", "none" if name == "plain-eager" else "blocks", "--inductor-cache", str(cache)]
+           "--compile", "none" if name == "plain-eager" else "blocks", "--inductor-cache", str(cache),
+           "--device", a.device]
     r = run_row(cmd, dict(os.environ), logs / f"{name}.log", a.timeout)
     if "failed" not in r:
         rec = json.loads(record.read_text())
@@ -88,7 +105,7 @@ def titan_row(name: str, artifact: str, a, cache: Path, logs: Path) -> dict:
     env = dict(os.environ, TITAN_CACHE_DIR=str(cache))
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # titan points them into TITAN_CACHE_DIR
         env.pop(var, None)
-    cmd = [*titan_run(), artifact, "--steps", str(a.steps), "--device", "cuda", "--metrics", str(metrics)]
+    cmd = [*titan_run(), artifact, "--steps", str(a.steps), "--device", a.device, "--metrics", str(metrics)]
     log = logs / f"{name}.log"
     r = run_row(cmd, env, log, a.timeout)
     if "failed" not in r:
@@ -163,10 +180,12 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (the figures mean nothing)")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds one row may run")
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None, help="each row's output and record (default: a temporary directory)")
     a = p.parse_args()
+    signal.signal(signal.SIGTERM, stop_running_row)  # `timeout` stops this script: the row's group too
     logs = Path(a.logs or tempfile.mkdtemp(prefix="startup-logs-"))
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="startup-caches-") as scratch:

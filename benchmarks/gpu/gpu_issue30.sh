@@ -2,14 +2,15 @@
 # GPU-host run, one call on one GPU (issue 30): start-up and steady state against every peer row,
 # the independent plain Llama (benchmarks/plain_llama.py) among them; the tables print last.
 #   bash benchmarks/gpu/gpu_issue30.sh        (one H100, about 9 minutes; carry .whl for the tt rows)
-# Overrides: STEADY_SEQS="8192 2048" MODES=... LATER_MODES=... STEPS=12 STARTUP_SEQ=2048 STARTUP_STEPS=6 REPEAT=1
+# Overrides: STEADY_SEQS="8192 2048" MODES=... LATER_MODES=... STEPS=12 MAX_NORM=1.0 STARTUP_SEQ=2048 STARTUP_STEPS=6 REPEAT=1
 #            BUDGET=540 (seconds: each phase is stopped so that the call ends by then)
 #  1. titan (editable) and the pinned peer wheels, as gpu_peers.sh;
 #  2. in the background, the 1B artifacts into the call's build cache: seq STARTUP_SEQ with and
 #     without --kernels (start-up), the default passes and --fuse at each steady-state seq
 #     (train_bench's own builds are then cache hits);
 #  3. steady state at the first of STEADY_SEQS, rows without an artifact first while the builds
-#     run (train_bench.py, BENCH_PROFILE: each row's last two steps profiled, out of the medians);
+#     run (train_bench.py, BENCH_PROFILE: each row's last two steps profiled, out of the medians;
+#     every row clips at --max-norm MAX_NORM, default 1.0 as train_bench's; 0: no row clips);
 #  4. start-up, once the builds are done and nothing else runs (benchmarks/startup_table.py):
 #     plain eager, plain per-block compile cold and warm, titan from the --kernels artifact on an
 #     empty cache, the default flow's first run on an empty cache, and its second run;
@@ -21,7 +22,9 @@
 source "$(dirname "$0")/gpu_common.sh"
 FLAVOR=${FLAVOR:-1B}
 STEADY_SEQS=${STEADY_SEQS:-8192 2048}
-MODES=${MODES:-plain-eager,plain-compile,ref-compile,tt-compile,tt-toolkit,titan,titan-fuse}
+# While the builds run (the first minute): the slowest-starting peer and eager rows first, so
+# that the contenders' timed steps come after the builds (less CPU contention).
+MODES=${MODES:-tt-toolkit,plain-eager,ref-compile,plain-compile,tt-compile,titan,titan-fuse}
 # After the first seq the builds are done: the rows the targets name first, in case time runs out.
 LATER_MODES=${LATER_MODES:-titan,titan-fuse,plain-compile,tt-compile,ref-compile,tt-toolkit,plain-eager}
 STEPS=${STEPS:-12}
@@ -62,7 +65,7 @@ builds=$!
 steady() {  # SEQ LIMIT MODES: train_bench over MODES, profiled, stopped after LIMIT s
   rm -rf "$OUT/profile-$1"
   BENCH_PROFILE=$OUT/profile-$1 timeout "$2" python3 benchmarks/train_bench.py --flavor "$FLAVOR" --seq-len "$1" \
-    --batch-size 1 --layout single --steps "$STEPS" --modes "$3" --json "$OUT/steady-$1.json" \
+    --batch-size 1 --layout single --steps "$STEPS" --max-norm "${MAX_NORM:-1.0}" --modes "$3" --json "$OUT/steady-$1.json" \
     > "$OUT/steady-$1.txt" 2>&1
   echo "== steady state seq $1: exit $? [$(elapsed) s]"
   grep -E "^single .*(FAILED|tok/s)" "$OUT/steady-$1.txt" | cut -c1-120
