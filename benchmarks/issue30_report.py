@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from profile_steps import COLUMNS  # noqa: E402
+from profile_steps import COLUMNS, category  # noqa: E402
 
 STEADY_TARGETS = {"titan": 1.03, "titan-fuse": 1.10}
 
@@ -88,6 +88,10 @@ def print_profile(seq: str, folder: Path, steady: dict | None) -> None:
             achieved = flops / (cells["matmul"] / 1e3) / 1e12
             line += f"{achieved:11.0f}" + (f"{achieved / peak:7.2f}" if peak else "")
         print(line)
+    for label, s in summaries.items():  # which attention each row ran (cuDNN, flash, efficient)
+        top = next((t for t in s.get("top_kernels", []) if category(t["name"]) == "attention"), None)
+        if top:
+            print(f"  {label}: attention's top kernel {top['ms']:.1f} ms x{top['count']}: {top['name'][:80]}")
 
 
 def main() -> None:

@@ -250,7 +250,7 @@ def main() -> None:
         if on_step is not None:
             on_step(step + 1)
     if args.json:
-        record.write(args.json)
+        record.write(args.json, import_s=T_IMPORTED - T_LAUNCH, setup_s=t_built - T_IMPORTED)
     timed = sorted(record.times[2:] or record.times[-1:])
     step_s = timed[len(timed) // 2]
     print(f"{args.mode}: {args.flavor} seq {args.seq_len} batch {args.batch_size} on {device.type}: "

@@ -19,7 +19,8 @@ compiler caches of its own, in this order (with --repeat, the whole order again)
 
 first step: launch to the end of the first optimizer step (titan-run's metrics `time`, the plain
 model's own record); process: launch to exit; tok/s: median step of steps 3..N; noise: lines of
-the row's output that match warn, traceback or deprecat (a first run should print none).
+the row's output that match warn, traceback or deprecat (a first run should print none); note:
+where the row's start went, as the row itself tells it.
 The targets (issue 30): titan-kernels / plain-compile-warm <= 0.25 and titan-fresh /
 plain-compile-cold <= 0.5, first step to first step.
 """
@@ -95,8 +96,20 @@ def plain_row(name: str, a, cache: Path, logs: Path) -> dict:
     r = run_row(cmd, dict(os.environ), logs / f"{name}.log", a.timeout)
     if "failed" not in r:
         rec = json.loads(record.read_text())
-        r.update(first_step_s=rec["first_step_s"], step_times=rec["step_times"])
+        r.update(first_step_s=rec["first_step_s"], step_times=rec["step_times"],
+                 note=f"torch import {rec['import_s']:.1f} s, model + AdamW {rec['setup_s']:.1f} s, "
+                      f"step 1 {rec['step_times'][0]:.1f} s")
     return r
+
+
+def titan_note(log: str) -> str:
+    """titan-run's own account of its start (the phases of its closing line) and its kernels."""
+    phases = re.search(r"to the end of the first step \((.*?)\);", log)
+    fusion = re.search(r"fusion: (\d+) regions.*?: (\d+) compiled, (\d+) loaded from the kernel store, "
+                       r"(\d+) from the artifact.*? in ([\d.]+) s", log)
+    kernels = (f"; kernels: {fusion[2]} compiled, {fusion[3]} from the store, {fusion[4]} from the artifact "
+               f"({fusion[5]} s)") if fusion else ""
+    return (phases[1] if phases else "") + kernels
 
 
 def titan_row(name: str, artifact: str, a, cache: Path, logs: Path) -> dict:
@@ -111,8 +124,7 @@ def titan_row(name: str, artifact: str, a, cache: Path, logs: Path) -> dict:
     if "failed" not in r:
         recs = [x for x in map(json.loads, metrics.read_text().splitlines()) if "step" in x]
         r.update(first_step_s=recs[0]["time"] - r["t0"], step_times=[x["step_time_s"] for x in recs])
-        fusion = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("fusion:")]
-        r["note"] = fusion[0] if fusion else ""
+        r["note"] = titan_note(log.read_text(errors="replace"))
     return r
 
 
@@ -161,7 +173,7 @@ def print_table(rows: dict, *, flavor: str, seq_len: int, steps: int, repeat: in
             continue
         span = "" if r["runs"] < 2 else f" [{r['first_step_range'][0]:.1f}-{r['first_step_range'][1]:.1f}]"
         print(f"{name:20s}{r['first_step_s']:11.1f}{r['process_s']:10.1f}{r['tokens_per_s']:9,.0f}{r['noise']:6d}  "
-              f"{r['note'][:90]}{span}")
+              f"{r['note'][:150]}{span}")
     for titan, plain, target in TARGETS:
         if "failed" in rows[titan] or "failed" in rows[plain]:
             print(f"target {titan} / {plain} <= {target}: not measured (a row failed)")
