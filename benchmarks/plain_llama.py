@@ -218,6 +218,8 @@ def main() -> None:
 
     os.environ.setdefault("BENCH_T0", str(T_LAUNCH))
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"error: --device {name}: no CUDA GPU is visible here; use --device cpu")
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if name == "cuda" else name)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -82,7 +82,7 @@ timeout "$(at_most 170 40)" python3 benchmarks/startup_table.py --kernels-artifa
   --artifact "artifacts/i30-default-$STARTUP_SEQ" --flavor "$FLAVOR" --seq-len "$STARTUP_SEQ" \
   --steps "${STARTUP_STEPS:-6}" --repeat "${REPEAT:-1}" --timeout 100 --json "$OUT/startup.json" \
   --logs "$OUT/startup-logs" > "$OUT/startup.txt" 2>&1
-echo "== start-up: exit $? [$(elapsed) s]"; grep -E "^(plain|titan)-" "$OUT/startup.txt" | cut -c1-120
+echo "== start-up: exit $? [$(elapsed) s]"; grep -E "^(plain|titan)-[a-z-]+: " "$OUT/startup.txt" | cut -c1-120
 
 for seq in "$@"; do steady "$seq" "$(at_most 240 12)" "$LATER_MODES"; done
 
