@@ -25,6 +25,9 @@ titan:   titan-build (outside the timed run; a cache hit when built before), the
 Peer rows (PEER_MODES), same shapes, precision policy and data, each in its own processes:
 ref-eager / ref-compile: a plain-PyTorch Llama 3 (FSDP2 + DTensor TP, fused AdamW, per-block
          torch.compile for ref-compile) written in benchmarks/peer_ref.py;
+plain-eager / plain-compile: an independent plain Llama 3 that imports nothing of titan, written
+         as a user would (benchmarks/plain_llama.py: bf16 autocast, fused AdamW, per-block
+         torch.compile for plain-compile); one GPU only (layout single);
 tt-eager / tt-compile / tt-toolkit: torchtitan 0.2.2's trainer, its torch.compile, and its
          compiler toolkit (the whole forward + backward traced, CUDA graphs; 0.2.2's predecessor
          of the graph trainer, which needs a torch newer than 2.11); tt-toolkit-nocg: without
@@ -89,6 +92,7 @@ TITAN_VARIANTS = {
 
 # peer mode -> its worker script (in benchmarks/)
 PEER_MODES = {"ref-eager": "peer_ref.py", "ref-compile": "peer_ref.py",
+              "plain-eager": "plain_llama.py", "plain-compile": "plain_llama.py",
               **{m: "peer_torchtitan.py" for m in ("tt-eager", "tt-compile", "tt-toolkit", "tt-toolkit-nocg",
                                                    "tt-compile-flex")}}
 
@@ -208,7 +212,7 @@ class RowFailed(Exception):
     """A row's processes failed or ran out of time; the message says why."""
 
 
-def _failure_reason(log: Path) -> str:
+def failure_reason(log: Path) -> str:
     """The last line of a rank's output that names an error, else its last line."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
     for ln in reversed(lines):
@@ -248,7 +252,7 @@ def _spawn(cmd: list[str], world: int, env_extra: dict, log_prefix: Path) -> flo
     if any(codes):
         # The rank that failed on its own, not one stopped here (negative: killed by a signal).
         failed = next((i for i, c in enumerate(codes) if c > 0), next(i for i, c in enumerate(codes) if c))
-        raise RowFailed(f"exit codes {codes}: {_failure_reason(logs[failed])}")
+        raise RowFailed(f"exit codes {codes}: {failure_reason(logs[failed])}")
     return time.time() - t0
 
 
