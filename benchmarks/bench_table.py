@@ -27,14 +27,15 @@ def with_ratios(results: dict, peer_modes) -> dict:
 
 
 def print_table(rows: list[tuple[str, dict]]) -> None:
-    print(f"{'layout':<7}{'mode':<14}{'tok/s/GPU':>10}{'MFU989':>8}{'MFUmeas':>8}{'1st step s':>11}{'wall s':>8}"
+    w = max([7, *(len(layout) + 1 for layout, _ in rows)])
+    print(f"{'layout':<{w}}{'mode':<14}{'tok/s/GPU':>10}{'MFU989':>8}{'MFUmeas':>8}{'1st step s':>11}{'wall s':>8}"
           f"{'peak GiB':>9}{'x eager':>8}{'x compile':>10}{'x best peer':>12}  best peer")
     for layout, results in rows:
         for mode, r in results.items():
             if "failed" in r:
-                print(f"{layout:<7}{mode:<14}  FAILED: {r['failed']}")
+                print(f"{layout:<{w}}{mode:<14}  FAILED: {r['failed']}")
                 continue
-            print(f"{layout:<7}{mode:<14}{r['tokens_per_s_per_gpu']:>10,.0f}{r['mfu']:>8.3f}{r['mfu_measured']:>8.3f}"
+            print(f"{layout:<{w}}{mode:<14}{r['tokens_per_s_per_gpu']:>10,.0f}{r['mfu']:>8.3f}{r['mfu_measured']:>8.3f}"
                   f"{r['first_step_s']:>11.1f}{r['wall_s']:>8.1f}{r['peak_gib']:>9.1f}"
                   f"{r['x_eager']:>8.2f}{r['x_compile']:>10.2f}{r['x_best_peer']:>12.2f}  {r['best_peer'] or '-'}")
 

@@ -332,19 +332,25 @@ def check_without_gpu(mode: str, config, flavor: str, batch: int, seq_len: int, 
 
 
 def _stages_without_gpu(spec, config, model, pipeline) -> str:
-    """torchtitan's own split of the meta model into this rank's PipelineStages (its
-    pipeline_module_split, over a gloo pp group) and their schedule (build_pipeline_schedule);
-    says which stages and blocks this rank got, checked against titan's split."""
+    """torchtitan's own pipelining_fn on the meta model, over a gloo mesh of the job's
+    ParallelDims (torchtitan's device type set to the CPU for this check alone): its split into
+    this rank's PipelineStages, parallelize_llama (and the one-rank FSDP2 policy) on each, and the
+    schedule; says which stages, blocks and precision this rank got, checked against titan's split."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule, pipeline_module_split
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import ParallelDims
 
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (pipeline.pp, world // pipeline.pp), mesh_dim_names=("pp", "stage"))
-    pp_rank = mesh["pp"].get_local_rank()
-    stages, parts = pipeline_module_split(model, mesh["pp"], config.parallelism.pipeline_parallel_schedule,
-                                          torch.device("cpu"), config.parallelism.module_fqns_per_model_part)
+    parallel_dims_module.device_type = "cpu"
+    p = config.parallelism
+    dims = ParallelDims(dp_shard=p.data_parallel_shard_degree, dp_replicate=1, cp=1, tp=p.tensor_parallel_degree,
+                        pp=p.pipeline_parallel_degree, ep=1, etp=1, world_size=dist.get_world_size())
+    args = spec.model_args[config.model.flavor]
+    schedule, parts, _, _ = spec.pipelining_fn(model, dims, config, torch.device("cpu"), args, spec.parallelize_fn,
+                                               spec.build_loss_fn(config))
+    pp_rank = dims.get_mesh("pp").get_local_rank()
+    stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
     held = [stage.stage_index for stage in stages]
     if held != pipeline.stages_of(pp_rank):
         raise SystemExit(f"error: torchtitan placed stages {held} on pp rank {pp_rank}; titan places "
@@ -354,12 +360,15 @@ def _stages_without_gpu(spec, config, model, pipeline) -> str:
         if (blocks[0], blocks[-1] + 1) != pipeline.spans()[index]:
             raise SystemExit(f"error: torchtitan's stage {index} holds blocks {blocks}; titan's holds "
                              f"{pipeline.spans()[index]}")
-    schedule = build_pipeline_schedule(config, stages, spec.build_loss_fn(config))
+    blocks = [b for part in parts for b in part.layers.values()]
+    policies = {str(b._get_fsdp_state()._mp_policy.param_dtype) if isinstance(b, FSDPModule) else "no FSDP"
+                for b in blocks}
     dist.destroy_process_group()
     return (f"pp rank {pp_rank}: torchtitan's {type(schedule).__name__} over {schedule._n_microbatches} "
             f"micro-batches, stages {held} holding " + ", ".join(
                 f"blocks {a}-{b - 1} ({sum(p.numel() for p in part.parameters()):,} parameters)"
-                for part, (a, b) in zip(parts, (pipeline.spans()[i] for i in held))) + ", as titan splits them")
+                for part, (a, b) in zip(parts, (pipeline.spans()[i] for i in held)))
+            + f", as titan splits them; blocks' FSDP2 parameter dtype {', '.join(sorted(policies))}")
 
 
 def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str, *,
