@@ -28,6 +28,8 @@ tt-eager / tt-compile / tt-toolkit: torchtitan 0.2.2's trainer, its torch.compil
          of the graph trainer, which needs a torch newer than 2.11); tt-toolkit-nocg: without
          its CUDA graphs (benchmarks/peer_torchtitan.py; wheels in benchmarks/peer_wheels.txt).
 A row that cannot run says why (the last error line of its rank 0), and the table goes on.
+Pipeline layouts (pp2, pp2-zbv, pp2-tp2, pp4, ...): every row on one schedule, --microbatches and
+stage split (bench_pipeline.py; eager, ref-* and tt-* under torch.distributed.pipelining).
 
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
 bf16 matmul rate measured here, time from process start to the end of the first step,
