@@ -100,6 +100,8 @@ def main() -> None:
     p.add_argument("--flavor", default="1B")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--titan-build-flags", action="store_true",
+                   help="print only titan-build's mesh and pipeline flags for the layout (train_bench's own)")
     a = p.parse_args()
     try:
         pipeline = bench_pipeline(a.layout, flavor=a.flavor, seq_len=a.seq_len, microbatches=a.microbatches)
@@ -107,6 +109,10 @@ def main() -> None:
         raise SystemExit(f"error: {a.layout}: {e}") from None
     if pipeline is None:
         raise SystemExit(f"error: {a.layout} is not a pipeline layout; use one of {', '.join(PP_SCHEDULES)}")
+    if a.titan_build_flags:
+        from train_bench import LAYOUTS, mesh_flags
+        print(" ".join(mesh_flags(LAYOUTS[a.layout]) + pipeline.titan_flags()))
+        return
     fqns = ["+".join(f for f in part if not f.startswith("layers.")) or "-" for part in pipeline.module_fqns()]
     print(f"{a.layout}: {pipeline.describe()}; stage ranks "
           f"{[r for s in range(pipeline.n_stages) for r in range(pipeline.pp) if s in pipeline.stages_of(r)]}; "

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -60,6 +61,11 @@ LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsd
            # pipelines (their schedules: bench_pipeline.PP_SCHEDULES)
            "pp2": dict(pp=2), "pp2-gpipe": dict(pp=2), "pp2-interleaved": dict(pp=2), "pp2-zbv": dict(pp=2),
            "pp2-tp2": dict(pp=2, tp=2), "pp2-fsdp2": dict(pp=2, dp_shard=2), "pp4": dict(pp=4), "pp4-zbv": dict(pp=4)}
+
+
+def mesh_flags(sizes: dict) -> list[str]:
+    """titan-build's flags for a layout's mesh sizes (`--pp 2 --tp 2`)."""
+    return [flag for k, v in sizes.items() for flag in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def _defaults_but(*dropped: str):
@@ -268,9 +274,7 @@ def matmul_tflops() -> float:
 
 def run_mode(mode: str, layout: str, opts, tmp: Path, *, pipeline=None) -> dict:
     """One row; `pipeline` (a bench_pipeline.BenchPipeline) for a pipeline layout."""
-    world = 1
-    for v in LAYOUTS[layout].values():
-        world *= v
+    world = math.prod(LAYOUTS[layout].values())
     result_file = tmp / f"{layout}-{mode}.json"
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
     if mode == "compile":
@@ -281,9 +285,7 @@ def run_mode(mode: str, layout: str, opts, tmp: Path, *, pipeline=None) -> dict:
         build = [sys.executable, "-m", "titan.cli.build", "--flavor", opts.flavor, "--seq-len", str(opts.seq_len),
                  "--batch-size", str(opts.batch_size), "--dtype", "bf16", "--out", str(art)]
         build += build_flags(LAYOUTS[layout]) if callable(build_flags) else build_flags
-        for k, v in LAYOUTS[layout].items():
-            build += [f"--{k.replace('_', '-')}", str(v)]
-        build += pipeline.titan_flags() if pipeline else []
+        build += mesh_flags(LAYOUTS[layout]) + (pipeline.titan_flags() if pipeline else [])
         if opts.flavor == "debug":
             build[build.index("bf16")] = "fp32"  # CPU smoke test
         built = subprocess.run(build, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -354,9 +356,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         for layout in opts.layout or ["tp4", "fsdp4"]:
-            world = 1
-            for v in LAYOUTS[layout].values():
-                world *= v
+            world = math.prod(LAYOUTS[layout].values())
             dp = LAYOUTS[layout].get("dp_shard", 1)
             # A pipeline step reads --microbatches micro-batches of --batch-size per data-parallel rank.
             sequences = opts.batch_size * (opts.microbatches if "pp" in LAYOUTS[layout] else 1)
