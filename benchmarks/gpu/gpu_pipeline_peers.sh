@@ -18,14 +18,15 @@
 # Carry .whl (bash benchmarks/fetch_peer_wheels.sh here) for the tt rows. Each layout is one
 # train_bench run with its share of BENCH_TIMEOUT (540 s), writing $OUT/pipeline-peers-LAYOUT.json
 # (after every row) and $OUT/pipeline-peers-LAYOUT.txt (every row's rank-0 log); the titan
-# artifacts are built in the background first (logs $OUT/build-LAYOUT.txt). Prints the compact
-# table last (tok/s/GPU, median step, peak memory, first step, x best peer, first losses).
+# artifacts are built in the background first (logs $OUT/build-LAYOUT.txt; the builds overlap
+# the first rows, which can lengthen their first step, not their GPU-bound steady steps). Prints
+# the compact table last (tok/s/GPU, median step, peak memory, first step, x best peer, losses).
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 case $NGPU in
   2) default_layouts="pp2 pp2-zbv";;
   4) default_layouts="pp4 pp2-tp2";;
-  *) echo "error: NGPU=$NGPU: set NGPU=2 or NGPU=4 (or LAYOUTS=...)"; [ -n "${LAYOUTS:-}" ] || exit 2;;
+  *) [ -n "${LAYOUTS:-}" ] || { echo "error: NGPU=$NGPU has no default layouts: set NGPU=2 or 4, or LAYOUTS"; exit 2; };;
 esac
 LAYOUTS=${LAYOUTS:-$default_layouts}
 MODES=${MODES:-tt-compile,titan,tt-eager,ref-compile,ref-eager,titan-nocg,eager}
