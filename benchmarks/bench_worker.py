@@ -60,4 +60,6 @@ def worker_args(modes: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--json", required=True)
     p.add_argument("--max-norm", type=float, default=0.0, help="clip gradients to this global norm (0: no clip)")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="pipeline layouts: micro-batches of --batch-size sequences per step (bench_pipeline.py)")
     return p.parse_args()

@@ -16,6 +16,8 @@ synthetic tokens. Parallelism and precision as PyTorch's own recipes do it:
   as titan's bf16 artifacts (parameters cast to bf16).
 - `torch.optim.AdamW(fused=True)`; with `--max-norm`, `clip_grad_norm_(foreach=True)` before it.
 ref-compile: the same, each block `torch.compile(fullgraph=True)` before sharding.
+On a pipeline layout (pp*), the same model cut into stages under torch.distributed.pipelining:
+peer_ref_pipeline.py.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_worker import StepRecord, worker_args  # noqa: E402
 from profile_steps import step_profiler_from_env  # noqa: E402
+from bench_pipeline import bench_pipeline  # noqa: E402
 from train_bench import LAYOUTS  # noqa: E402
 
 
@@ -176,7 +179,7 @@ def build(mode: str, cfg, dp_shard: int, tp: int, seq_len: int, device: torch.de
 
 
 def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str, *,
-        max_norm: float = 0.0) -> None:
+        max_norm: float = 0.0, microbatches: int = 1) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from titan.builder.models.llama3.config import FLAVORS
@@ -190,6 +193,18 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
     sizes = LAYOUTS[layout_name]
     dp_shard, tp = sizes.get("dp_shard", 1), sizes.get("tp", 1)
     cfg = FLAVORS[flavor]
+    pipeline = bench_pipeline(layout_name, flavor=flavor, seq_len=seq_len, microbatches=microbatches)
+    if pipeline is not None:
+        from peer_ref_pipeline import run_pipeline
+        record = StepRecord(device)
+        run_pipeline(mode, cfg, pipeline, batch=batch, seq_len=seq_len, steps=steps, dp_shard=dp_shard, tp=tp,
+                     device=device, max_norm=max_norm, record=record,
+                     on_step=step_profiler_from_env(f"{layout_name}-{mode}", steps, dist.get_rank()))
+        if dist.get_rank() == 0:
+            record.write(out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     model, mesh = build(mode, cfg, dp_shard, tp, seq_len, device)
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             fused=True)
@@ -224,7 +239,8 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
 
 def main() -> None:
     a = worker_args(["ref-eager", "ref-compile"])
-    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json, max_norm=a.max_norm)
+    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json, max_norm=a.max_norm,
+        microbatches=a.microbatches)
 
 if __name__ == "__main__":
     main()

@@ -29,6 +29,20 @@ TITAN_BENCH_DATA (a titan-data token file): every row reads its batches from it 
 --data does: the same windows in the same order) instead of titan's synthetic tokens, whose
 uniform ids hold almost no document boundaries.
 
+Pipeline layouts (pp*, bench_pipeline.py): tt-eager and tt-compile run torchtitan's own pipeline,
+its Llama 3 TrainSpec's `pipelining_fn` (pipeline_llm: pipeline_module_split into
+PipelineStages, parallelize_llama on each stage, build_pipeline_schedule), with the layout's
+schedule (`pipeline_parallel_schedule`: 1F1B, GPipe, Interleaved1F1B, ZBVZeroBubble), a local
+batch of --microbatches x --batch-size sequences cut into micro-batches of --batch-size
+(`pipeline_parallel_microbatch_size`), and titan's stage split given as
+`module_fqns_per_model_part`. torchtitan 0.2.2 has no mixed precision under PP without FSDP
+(maybe_enable_amp), so where the layout has no data-parallel shards the worker applies
+torchtitan's apply_fsdp to each stage over the mesh's one-rank `fsdp` dimension (titan's policy,
+as at world size 1), with torchtitan's PP setting (no reshard after forward). Its schedules run
+with `scale_grads=False` and a summed loss: gradients are those of the summed token loss, not
+titan's mean (AdamW is nearly scale-free and both clip; the step's work is the same).
+tt-toolkit does not run pipelines (torchtitan 0.2.2's toolkit spec has no pipelining_fn).
+
 Precision, as titan's rows: bf16 parameters and activations, fp32 gradient reduction, fp32
 master weights. torchtitan 0.2.2 applies FSDP2 only when data_parallel_shard_degree > 1 (its
 single-device policy is fp32 parameters under bf16 autocast), so at world size 1 this worker
@@ -46,7 +60,9 @@ The step is the trainer's own `forward_backward_step`, then (with `--max-norm`) 
 schedulers; without its metric logging.
 
 torchtitan places its model on CUDA: without a GPU this worker builds the configuration, the
-model on the meta device and a batch, then exits with "needs CUDA".
+model on the meta device and a batch (on a pipeline layout also torchtitan's stages of this rank,
+from its pipeline_module_split over a gloo pp group, and their schedule), then exits with
+"needs CUDA".
 """
 
 from __future__ import annotations
@@ -63,6 +79,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_worker import StepRecord, worker_args  # noqa: E402
 from profile_steps import step_profiler_from_env  # noqa: E402
+from bench_pipeline import bench_pipeline  # noqa: E402
 from train_bench import LAYOUTS, PEER_MODES  # noqa: E402
 
 MODES = [m for m, worker in PEER_MODES.items() if worker == Path(__file__).name]
@@ -92,8 +109,10 @@ class SeparatorTokenizer:
         self.eos_id = eos_id
 
 
-def synthetic_loader(vocab_size: int):
-    """torchtitan's dataloader protocol fed by titan's SyntheticTokens."""
+def synthetic_loader(vocab_size: int, microbatches: int = 1):
+    """torchtitan's dataloader protocol fed by titan's SyntheticTokens; with `microbatches` > 1
+    (a pipeline) each batch is that many of titan's micro-batches, concatenated in the order
+    titan-run reads them (runtime/train_loop.py), which torchtitan's schedule cuts apart again."""
     from torchtitan.components.dataloader import BaseDataLoader
 
     from titan.runtime.data import SyntheticTokens
@@ -109,10 +128,15 @@ def synthetic_loader(vocab_size: int):
                 self.tokens = SyntheticTokens(vocab_size=vocab_size, batch_size=local_batch_size, seq_len=seq_len,
                                               seed=0, dp_rank=dp_rank)
 
+        def __init__(self, *, dp_rank: int, local_batch_size: int, seq_len: int) -> None:
+            self.tokens = SyntheticTokens(vocab_size=vocab_size, batch_size=local_batch_size // microbatches,
+                                          seq_len=seq_len, seed=0, dp_rank=dp_rank)
+
         def __iter__(self):
             step = 0
             while True:
-                tokens, labels = self.tokens.batch(step)
+                parts = [self.tokens.batch(step * microbatches + k) for k in range(microbatches)]
+                tokens, labels = (torch.cat(t) for t in zip(*parts))
                 yield {"input": tokens}, labels
                 step += 1
 
@@ -131,27 +155,32 @@ def synthetic_loader(vocab_size: int):
 
 
 def one_rank_fsdp(parallelize, apply_dp):
-    """`parallelize` followed by `apply_dp(model, mesh)` over a one-rank mesh where torchtitan
-    applies no data parallelism itself (world size 1): titan's precision policy there too."""
+    """`parallelize` followed by `apply_dp(model, mesh, pp_enabled)` over a one-rank mesh where
+    torchtitan applies no data parallelism itself (world size 1; a pipeline stage without
+    data-parallel shards: the mesh's own `fsdp` dimension, of size 1 there): titan's precision
+    policy there too."""
 
     def wrapped(model, parallel_dims, job_config):
         model = parallelize(model, parallel_dims, job_config)
         if parallel_dims.world_size == 1:
             from torch.distributed.device_mesh import init_device_mesh
             from torchtitan.tools import utils
-            model = apply_dp(model, init_device_mesh(utils.device_type, (1,), mesh_dim_names=("fsdp",)))
+            model = apply_dp(model, init_device_mesh(utils.device_type, (1,), mesh_dim_names=("fsdp",)), False)
+        elif parallel_dims.pp_enabled and not parallel_dims.fsdp_enabled:
+            parallel_dims.world_mesh  # builds the meshes: `fsdp` is one of them, at any size
+            model = apply_dp(model, parallel_dims._meshes["fsdp"], True)
         return model
 
     return wrapped
 
 
-def _fsdp2(model, mesh):
+def _fsdp2(model, mesh, pp_enabled: bool):
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp
-    apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
+    apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=pp_enabled)
     return model
 
 
-def _simple_fsdp(model, mesh):
+def _simple_fsdp(model, mesh, pp_enabled: bool):
     """simple_fsdp over the one-rank mesh with DTensor compute (full_dtensor): the compiler toolkit
     traces DTensor inputs only (it was written for TP), so the parameters stay DTensors too."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -203,8 +232,9 @@ def _toolkit_buffers_to_dtensor(model) -> None:
                 module._buffers[name] = DTensor.from_local(buf, _ONE_RANK["mesh"], [Replicate()])
 
 
-def register_spec(mode: str, flavor: str) -> None:
-    """A TrainSpec: torchtitan's Llama 3 (or the compiler toolkit's) with titan's shapes and data."""
+def register_spec(mode: str, flavor: str, microbatches: int = 1) -> None:
+    """A TrainSpec: torchtitan's Llama 3 (or the compiler toolkit's) with titan's shapes and data;
+    its pipelining_fn torchtitan's own (the toolkit's spec has none)."""
     from torchtitan.protocols.train_spec import register_train_spec
 
     if mode.startswith("tt-toolkit"):
@@ -219,11 +249,18 @@ def register_spec(mode: str, flavor: str) -> None:
     spec = dataclasses.replace(spec, model_args={flavor: args}, build_tokenizer_fn=tokenizer,
                                build_dataloader_fn=synthetic_loader(args.vocab_size), build_validator_fn=None,
                                pipelining_fn=None, state_dict_adapter=None)
+
+    args = model_args(flavor)
+    spec = dataclasses.replace(spec, model_args={flavor: args}, build_tokenizer_fn=None,
+                               build_dataloader_fn=synthetic_loader(args.vocab_size, microbatches),
+                               build_validator_fn=None, state_dict_adapter=None)
     register_train_spec(SPEC_NAME, spec)
 
 
-def job_config(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, dump: str):
-    """torchtitan's JobConfig for this row (its defaults, less what matches titan's rows)."""
+def job_config(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, dump: str, *,
+               pipeline=None):
+    """torchtitan's JobConfig for this row (its defaults, less what matches titan's rows);
+    `pipeline` a bench_pipeline.BenchPipeline."""
     from torchtitan.config import ConfigManager
 
     toolkit = mode.startswith("tt-toolkit")
@@ -234,6 +271,9 @@ def job_config(mode: str, flavor: str, layout_name: str, batch: int, seq_len: in
     c.training.local_batch_size, c.training.seq_len, c.training.steps = batch, seq_len, steps
     c.parallelism.data_parallel_shard_degree = sizes.get("dp_shard", 1)
     c.parallelism.tensor_parallel_degree = sizes.get("tp", 1)
+    if pipeline is not None:
+        from peer_torchtitan_pipeline import set_pipeline
+        set_pipeline(c, pipeline, batch=batch)
     c.activation_checkpoint.mode = "none"
     c.checkpoint.enable = False
     c.validation.enable = False
@@ -278,9 +318,13 @@ def timed_trainer(base):
             if self.job_config.training.max_norm > 0:
                 dist_utils.clip_grad_norm_([p for m in self.model_parts for p in m.parameters()],
                                            self.job_config.training.max_norm, foreach=True,
-                                           pp_mesh=None, ep_enabled=self.parallel_dims.ep_enabled)
+                                           pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
+                                           ep_enabled=self.parallel_dims.ep_enabled)
             self.optimizers.step()
             self.lr_schedulers.step()
+            if self.parallel_dims.pp_enabled:  # the last stage's loss, on every pp rank
+                loss = loss.detach().reshape(()) if self.pp_has_last_stage else torch.zeros((), device=self.device)
+                torch.distributed.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
             # The loss is this rank's sum over the global token count: the mean is their sum.
             if self.parallel_dims.dp_cp_enabled:
                 reported = dist_utils.dist_sum(loss.detach(), self.parallel_dims.get_optional_mesh("loss"))
@@ -301,8 +345,9 @@ def trainer_class(mode: str):
     return Trainer
 
 
-def check_without_gpu(mode: str, config, flavor: str, batch: int, seq_len: int) -> None:
-    """What can be checked on a host without CUDA: the spec, its model on meta and a batch."""
+def check_without_gpu(mode: str, config, flavor: str, batch: int, seq_len: int, pipeline=None) -> None:
+    """What can be checked on a host without CUDA: the spec, its model on meta and a batch (and
+    this rank's pipeline stages)."""
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec(config.model.name)
@@ -313,18 +358,28 @@ def check_without_gpu(mode: str, config, flavor: str, batch: int, seq_len: int) 
     n = sum(p.numel() for p in model.parameters())
     inputs, labels = next(iter(spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=None,
                                                         job_config=config)))
+    if pipeline is not None:
+        from peer_torchtitan_pipeline import stages_without_gpu
+        stages = "; " + stages_without_gpu(spec, config, model, pipeline)
+    else:
+        stages = ""
     raise SystemExit(f"error: {mode} needs CUDA (torchtitan places its model on the GPU); built here: the "
                      f"config, torchtitan's Llama 3 with titan's {flavor} shapes on meta ({n:,} parameters) "
-                     f"and a batch {tuple(inputs['input'].shape)}")
+                     f"and a batch {tuple(inputs['input'].shape)}{stages}")
 
 
 def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str, *,
-        max_norm: float = 0.0) -> None:
-    register_spec(mode, flavor)
-    config = job_config(mode, flavor, layout_name, batch, seq_len, steps, tempfile.mkdtemp(prefix="tt-bench-"))
+        max_norm: float = 0.0, microbatches: int = 1) -> None:
+    pipeline = bench_pipeline(layout_name, flavor=flavor, seq_len=seq_len, microbatches=microbatches)
+    if pipeline is not None and mode.startswith("tt-toolkit"):
+        raise SystemExit(f"error: {mode} does not run pipeline layouts (torchtitan 0.2.2's compiler toolkit has "
+                         "no pipelining_fn); tt-eager and tt-compile run torchtitan's pipeline")
+    register_spec(mode, flavor, pipeline.microbatches if pipeline else 1)
+    config = job_config(mode, flavor, layout_name, batch, seq_len, steps, tempfile.mkdtemp(prefix="tt-bench-"),
+                        pipeline=pipeline)
     config.training.max_norm = max_norm
     if not torch.cuda.is_available():
-        check_without_gpu(mode, config, flavor, batch, seq_len)
+        check_without_gpu(mode, config, flavor, batch, seq_len, pipeline)
     trainer = timed_trainer(trainer_class(mode))(config)
     trainer.record = StepRecord(trainer.device)
     trainer.on_step = step_profiler_from_env(f"{layout_name}-{mode}", steps, torch.distributed.get_rank())
@@ -341,7 +396,8 @@ def run(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, step
 def main() -> None:
     a = worker_args(MODES)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json, max_norm=a.max_norm)
+    run(a.mode, a.flavor, a.layout, a.batch_size, a.seq_len, a.steps, a.json, max_norm=a.max_norm,
+        microbatches=a.microbatches)
 
 
 if __name__ == "__main__":

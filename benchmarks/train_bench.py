@@ -33,6 +33,8 @@ tt-eager / tt-compile / tt-toolkit: torchtitan 0.2.2's trainer, its torch.compil
          of the graph trainer, which needs a torch newer than 2.11); tt-toolkit-nocg: without
          its CUDA graphs (benchmarks/peer_torchtitan.py; wheels in benchmarks/peer_wheels.txt).
 A row that cannot run says why (the last error line of its rank 0), and the table goes on.
+Pipeline layouts (pp2, pp2-zbv, pp2-tp2, pp4, ...): every row on one schedule, --microbatches and
+stage split (bench_pipeline.py; eager, ref-* and tt-* under torch.distributed.pipelining).
 
 Per row: tokens/s/GPU (median step over steps 3..N), MFU against 989 TFLOP/s and against a
 bf16 matmul rate measured here, time from process start to the end of the first step,
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -61,7 +64,15 @@ from pathlib import Path
 PEAK_TFLOPS = 989.0
 LAYOUTS = {"tp4": dict(tp=4), "fsdp4": dict(dp_shard=4), "tp2": dict(tp=2), "fsdp2": dict(dp_shard=2),
            "dp2tp2": dict(dp_shard=2, tp=2), "tp2dp2": dict(dp_shard=2, tp=2),
-           "dp2tp4": dict(dp_shard=2, tp=4), "single": dict()}
+           "dp2tp4": dict(dp_shard=2, tp=4), "single": dict(),
+           # pipelines (their schedules: bench_pipeline.PP_SCHEDULES)
+           "pp2": dict(pp=2), "pp2-gpipe": dict(pp=2), "pp2-interleaved": dict(pp=2), "pp2-zbv": dict(pp=2),
+           "pp2-tp2": dict(pp=2, tp=2), "pp2-fsdp2": dict(pp=2, dp_shard=2), "pp4": dict(pp=4), "pp4-zbv": dict(pp=4)}
+
+
+def mesh_flags(sizes: dict) -> list[str]:
+    """titan-build's flags for a layout's mesh sizes (`--pp 2 --tp 2`)."""
+    return [flag for k, v in sizes.items() for flag in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def _defaults_but(*dropped: str):
@@ -109,7 +120,12 @@ def flops_per_token(cfg, seq_len: int) -> float:
 # worker (one rank of eager / compile)
 
 def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str, *,
-           max_norm: float = 0.0) -> None:
+           max_norm: float = 0.0, microbatches: int = 1) -> None:
+    if "pp" in LAYOUTS[layout_name]:
+        from bench_eager_pipeline import eager_pipeline_worker
+        eager_pipeline_worker(mode, flavor, layout_name, batch, seq_len, steps, out, max_norm=max_norm,
+                              microbatches=microbatches)
+        return
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -268,10 +284,9 @@ def matmul_tflops() -> float:
     return float(subprocess.check_output([sys.executable, "-c", code], text=True).strip())
 
 
-def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
-    world = 1
-    for v in LAYOUTS[layout].values():
-        world *= v
+def run_mode(mode: str, layout: str, opts, tmp: Path, *, pipeline=None) -> dict:
+    """One row; `pipeline` (a bench_pipeline.BenchPipeline) for a pipeline layout."""
+    world = math.prod(LAYOUTS[layout].values())
     result_file = tmp / f"{layout}-{mode}.json"
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
     if mode == "compile":
@@ -282,8 +297,7 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
         build = [sys.executable, "-m", "titan.cli.build", "--flavor", opts.flavor, "--seq-len", str(opts.seq_len),
                  "--batch-size", str(opts.batch_size), "--dtype", "bf16", "--out", str(art)]
         build += build_flags(LAYOUTS[layout]) if callable(build_flags) else build_flags
-        for k, v in LAYOUTS[layout].items():
-            build += [f"--{k.replace('_', '-')}", str(v)]
+        build += mesh_flags(LAYOUTS[layout]) + (pipeline.titan_flags() if pipeline else [])
         if opts.flavor == "debug":
             build[build.index("bf16")] = "fp32"  # CPU smoke test
         built = subprocess.run(build, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -311,7 +325,8 @@ def run_mode(mode: str, layout: str, opts, tmp: Path) -> dict:
                   else [__file__, "--worker", mode])
         wall = _spawn([sys.executable, *worker, "--flavor", opts.flavor, "--layout", layout,
                        "--batch-size", str(opts.batch_size), "--seq-len", str(opts.seq_len),
-                       "--steps", str(opts.steps), "--json", str(result_file), "--max-norm", str(opts.max_norm)],
+                       "--steps", str(opts.steps), "--json", str(result_file), "--max-norm", str(opts.max_norm),
+                       "--microbatches", str(opts.microbatches)],
                       world, env, tmp / f"{layout}-{mode}")
         res = json.loads(result_file.read_text())
     res["wall_s"] = wall
@@ -326,6 +341,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--microbatches", type=int, default=8,
+                   help="pipeline layouts (pp*): micro-batches of --batch-size sequences per step, in every row")
     p.add_argument("--modes", default="eager,compile,compile-warm,titan")
     p.add_argument("--json", default=None)
     p.add_argument("--max-norm", type=float, default=1.0,
@@ -333,35 +350,47 @@ def main() -> None:
     opts = p.parse_args()
     if opts.worker:
         worker(opts.worker, opts.flavor, opts.layout[0], opts.batch_size, opts.seq_len, opts.steps, opts.json,
-               max_norm=opts.max_norm)
+               max_norm=opts.max_norm, microbatches=opts.microbatches)
         return
     from titan.builder.models.llama3.config import FLAVORS
+    from bench_pipeline import bench_pipeline
     from bench_table import print_table, with_ratios
     cfg = FLAVORS[opts.flavor]
     fpt = flops_per_token(cfg, opts.seq_len)
     measured = matmul_tflops()
-    rows = []
+    rows, pipelines = [], {}
 
     def save() -> None:  # after every row: a run cut short still leaves what it measured
         if opts.json:
             Path(opts.json).write_text(json.dumps({
                 "rows": [(layout, with_ratios(results, PEER_MODES)) for layout, results in rows],
                 "matmul_tflops": measured, "flavor": opts.flavor, "seq_len": opts.seq_len,
-                "batch_size": opts.batch_size, "steps": opts.steps}, indent=1))
+                "batch_size": opts.batch_size, "steps": opts.steps, "microbatches": opts.microbatches,
+                "pipelines": pipelines}, indent=1))
 
     with tempfile.TemporaryDirectory() as tmp:
         for layout in opts.layout or ["tp4", "fsdp4"]:
-            world = 1
-            for v in LAYOUTS[layout].values():
-                world *= v
+            world = math.prod(LAYOUTS[layout].values())
             dp = LAYOUTS[layout].get("dp_shard", 1)
+            # A pipeline step reads --microbatches micro-batches of --batch-size per data-parallel rank.
+            sequences = opts.batch_size * (opts.microbatches if "pp" in LAYOUTS[layout] else 1)
             results = {}
             rows.append((layout, results))
+            try:
+                pipeline = bench_pipeline(layout, flavor=opts.flavor, seq_len=opts.seq_len,
+                                          microbatches=opts.microbatches)
+            except ValueError as e:
+                print(f"{layout}: cannot run ({e})", flush=True)
+                results.update({mode: {"failed": str(e)} for mode in opts.modes.split(",")})
+                continue
+            if pipeline:
+                pipelines[layout] = pipeline.describe()
+                print(f"{layout}: pipeline {pipeline.describe()}, every row", flush=True)
             for mode in opts.modes.split(","):
                 if TITAN_VARIANTS.get(mode, (None, None, False))[2] and dp < 2:
                     continue  # FSDP-only ablation row
                 try:
-                    r = run_mode(mode, layout, opts, Path(tmp))
+                    r = run_mode(mode, layout, opts, Path(tmp), pipeline=pipeline)
                 except (RowFailed, FileNotFoundError, json.JSONDecodeError) as e:
                     print(f"{layout} {mode}: FAILED ({e})", flush=True)
                     results[mode] = {"failed": str(e)}
@@ -369,7 +398,7 @@ def main() -> None:
                     continue
                 timed = r["step_times"][:-2] if os.environ.get("BENCH_PROFILE") else r["step_times"]
                 step = statistics.median(timed[2:]) if len(timed) > 2 else timed[-1]
-                tps = opts.batch_size * opts.seq_len * dp / step / world
+                tps = sequences * opts.seq_len * dp / step / world
                 results[mode] = dict(r, tokens_per_s_per_gpu=tps, mfu=tps * fpt / (PEAK_TFLOPS * 1e12),
                                      mfu_measured=tps * fpt / (measured * 1e12))
                 print(f"{layout} {mode}: {tps:,.0f} tok/s/GPU, first step {r['first_step_s']:.1f} s, "
@@ -377,6 +406,8 @@ def main() -> None:
                 save()
     print(f"\nbf16 matmul 8192^3 measured: {measured:.0f} TFLOP/s; model {opts.flavor}, seq {opts.seq_len}, "
           f"batch {opts.batch_size}; throughput = median step of steps 3..{opts.steps}")
+    for layout, text in pipelines.items():
+        print(f"{layout}: {text}")
     print_table([(layout, with_ratios(results, PEER_MODES)) for layout, results in rows])
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 # Sourced by gpu_exact.sh, gpu_adamw.sh and gpu_profile.sh: the repository root as working
 # directory, $OUT, the NCCL settings these hosts need, one build cache for the whole call,
-# elapsed, flags LAYOUT, build_layouts and wait_for.
+# elapsed, flags LAYOUT, build_layouts, wait_for, install_titan and install_peer_wheels.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/titan-gpu}
@@ -46,5 +46,16 @@ install_titan() {
   if ! python3 -c "import titan.cli.build" 2>/dev/null; then
     python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/titan-install.txt" 2>&1
     echo "== titan installed: exit $? [$(elapsed) s]"
+  fi
+}
+# install_peer_wheels: the pinned peer wheels (benchmarks/peer_wheels.txt, hashes checked) from
+# .whl/ into /tmp/peer-site, put on PYTHONPATH; says whether it worked (the tt rows say why not).
+install_peer_wheels() {
+  if python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --require-hashes \
+       -r benchmarks/peer_wheels.txt --target /tmp/peer-site > "$OUT/peer-install.txt" 2>&1; then
+    export PYTHONPATH=/tmp/peer-site${PYTHONPATH:+:$PYTHONPATH}
+    echo "== peer wheels installed [$(elapsed) s]"
+  else
+    echo "== peer wheels NOT installed (carry .whl; see $OUT/peer-install.txt): the tt rows will say why"
   fi
 }

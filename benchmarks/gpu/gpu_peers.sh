@@ -33,13 +33,7 @@ if [ -n "${BENCH_PROFILE:-}" ]; then
 fi
 
 install_titan
-if python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --require-hashes \
-     -r benchmarks/peer_wheels.txt --target /tmp/peer-site > "$OUT/peer-install.txt" 2>&1; then
-  export PYTHONPATH=/tmp/peer-site${PYTHONPATH:+:$PYTHONPATH}
-  echo "== peer wheels installed [$(elapsed) s]"
-else
-  echo "== peer wheels NOT installed (carry .whl; see $OUT/peer-install.txt): the tt rows will say why"
-fi
+install_peer_wheels
 python3 - <<'EOF'
 import importlib.metadata as md, torch
 def version(name):
