@@ -226,11 +226,15 @@ def _kernel_for(kind: str, inputs: list[torch.Tensor], documents: torch.Tensor |
 
 def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, logsumexp in base 2), as the CPU kernel returns them."""
+    """(out, logsumexp in base 2), contiguous, as the CPU kernel returns them (the layouts the
+    graphs record, which the kernels after them are compiled for)."""
     blocks = block_mask_tensors(documents, batch=q.shape[0], seq=q.shape[2], device=q.device)
     kernel = _kernel_for(FORWARD, [q, k, v], documents)
     out, lse = kernel(q, k, v, *([documents] if documents is not None else []), *blocks)[:2]
-    return out, lse
+    # FlexAttention's templates write their outputs in q's stride order (a (batch, seq, heads,
+    # dim) tensor seen as (batch, heads, seq, dim) gives a transposed out): found on an H100, where
+    # the exact regions after the op were compiled for the contiguous results the graph records.
+    return out.contiguous(), lse.contiguous()
 
 
 def flex_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -239,4 +243,4 @@ def flex_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     kernel = _kernel_for(BACKWARD, [q, k, v, out, lse, grad_out], documents)
     grad_q, grad_k, grad_v = kernel(q, k, v, out, lse, grad_out, *([documents] if documents is not None else []),
                                     *blocks)[:3]
-    return grad_q, grad_k, grad_v
+    return grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous()  # as in flex_forward
