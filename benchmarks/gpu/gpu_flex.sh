@@ -21,7 +21,8 @@
 #             titan-build --flavor 1B --dtype bf16 --seq-len 8192 --attention flex --mask document \
 #               --eos-id 128001 --kernels --gpu h100 --out artifacts/flex-offline-1b
 #           each from an empty kernel store, its kernels trusted: the fusion line should say every
-#           region (the flex ones too) came from the artifact, and bitwise yes.
+#           region came from the artifact, the flex kernels line "2 from the artifact" (the eager
+#           reference takes them from there too), and bitwise yes.
 #  bench:   train_bench.py on the 1B documents, seq 8192, batch 1: titan (SDPA causal),
 #           titan-flex-doc, tt-compile (SDPA causal), tt-compile-flex (torchtitan's flex,
 #           document mask); tokens/s per GPU.
@@ -47,6 +48,7 @@ verify() {  # NAME ARTIFACT DATA [extra titan-verify flags]: one bitwise row
   bitwise=$(python3 -c "import json,sys; print('yes' if json.load(open(sys.argv[1]))['bitwise_equal'] else 'no')" \
     "$OUT/verify-$name.json" 2>/dev/null || echo "error (exit $rc)")
   echo "   $(grep -m1 '^fusion:' "$OUT/verify-$name.txt")"
+  echo "   $(grep -m1 '^flex kernels' "$OUT/verify-$name.txt")"
   grep -E "^error|Error|Traceback" "$OUT/verify-$name.txt" | head -n 5
   summary+=("$(printf '%-34s %s' "verify $name" "bitwise $bitwise (exit $rc)")")
   echo "== verify $name: bitwise $bitwise, exit $rc [$(elapsed) s]"

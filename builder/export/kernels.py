@@ -1,7 +1,8 @@
 """titan-build --kernels: compile a build's fusion regions (and a flex build's FlexAttention
-kernels: runtime/kernels/flex_kernels.py) on one GPU of the kind the job will run on, record them (kernel key -> sha256) in the build's cache entry, and export them into
-the artifact, so that no rank of any job compiles at start-up, on this host or on a fresh one
-of the same GPU kind that gets a copy of the artifact.
+kernels: runtime/kernels/flex_kernels.py) on one GPU of the kind the job will run on, record
+them (kernel key -> sha256) in the build's cache entry, and export them into the artifact, so
+that no rank of any job compiles at start-up, on this host or on a fresh one of the same GPU
+kind that gets a copy of the artifact.
 
 With --gpu NAME (builder/export/gpu_target.py) a host without a GPU builds them for that GPU
 model instead: inductor generates each region's code for a stand-in device of that model, Triton
@@ -76,7 +77,8 @@ class OfflineStats:
         why = "; ".join(f"{n}: {reason}" for reason, n in sorted(self.left.items()))
         return (f"built without a GPU for {self.target}, torch {torch.__version__}, triton "
                 f"{importlib.metadata.version('triton')}: {self.planned} of {self.regions} distinct regions as kernel "
-                f"plans" + (f" ({self.flex} of them FlexAttention's)" if self.flex else "") + f" in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
+                f"plans" + (f" ({self.flex} of them FlexAttention's)" if self.flex else "")
+                + f" in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
 
 
 def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,

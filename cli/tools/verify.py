@@ -61,6 +61,12 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
     eager_steps: list[dict] = []
     artifact_steps: list[dict] = []
 
+    trusted, note = kernels_trusted(art, cfg.kernel_trust) if compiles_regions(m, device) else (False, "")
+    if trusted and device.type == "cuda" and m.model_config.get("attention") == "flex":
+        # The eager reference calls the flex op before the artifact's program loads its kernels:
+        # it takes them from the artifact too (runtime/kernels/flex_kernels.py).
+        from titan.runtime.kernels.flex_kernels import serve_artifact_kernels
+        serve_artifact_kernels(art.kernel)
     with phases(f"rank {env.rank}: building the model eagerly and training it {cfg.steps} step(s)", short="eager"):
         if m.pipeline is None:
             eager = EagerProgram(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
@@ -95,7 +101,6 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
             import gc
             gc.collect()
             torch.cuda.empty_cache()
-    trusted, note = kernels_trusted(art, cfg.kernel_trust) if compiles_regions(m, device) else (False, "")
     if note and env.rank == 0:
         print(note, flush=True)
     if m.pipeline is None:
@@ -105,6 +110,9 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
         program = PipelineProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed, artifact_kernels=trusted)
     if program.fusion is not None and env.rank == 0:
         print(program.fusion.line(), flush=True)
+    if device.type == "cuda" and m.model_config.get("attention") == "flex" and env.rank == 0:
+        from titan.runtime.kernels.flex_kernels import origins
+        print(f"flex kernels (the eager reference's and the artifact's): {origins()}", flush=True)
     optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
     with phases(f"rank {env.rank}: training {cfg.steps} step(s) from the artifact", short="artifact"), \
             step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update, forward_loss):

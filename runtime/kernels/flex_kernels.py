@@ -46,6 +46,25 @@ _RECORDED: dict[str, str] = {}
 """Kernel key -> sha256 of the plan loaded for it (what titan-build --kernels records)."""
 _CONTEXTS: dict[int, dict] = {}
 """Device index -> its kernel context (GPU kind, torch and triton versions), asked once."""
+_ORIGINS: dict[str, str] = {}
+"""Kernel key -> where its kernels came from: 'the artifact', 'the kernel store' or 'compiled here'."""
+_ARTIFACT_KERNEL: list[Callable[[str], bytes | None]] = []
+"""The trusted artifact's kernels, for calls whose kernels no program prepared (serve_artifact_kernels)."""
+
+
+def serve_artifact_kernels(artifact_kernel: Callable[[str], bytes | None]) -> None:
+    """Let calls whose kernels no program prepared take them from a trusted artifact first
+    (titan-verify's eager reference, which runs before the artifact's program is loaded)."""
+    _ARTIFACT_KERNEL[:] = [artifact_kernel]
+
+
+def origins() -> str:
+    """Where this process's FlexAttention kernels came from ('' when none were loaded)."""
+    counts: dict[str, int] = {}
+    for where in _ORIGINS.values():
+        counts[where] = counts.get(where, 0) + 1
+    return ", ".join(f"{n} from {where}" if where != "compiled here" else f"{n} compiled here"
+                     for where, n in sorted(counts.items()))
 
 
 def _layout(t: torch.Tensor) -> dict:
@@ -149,8 +168,11 @@ def _load(kind: str, layouts: list[dict], device: torch.device, sources, stats) 
         return compile_region(lambda: flex_graph(kind, layouts), layouts, kind, device,
                               inputs=lambda: recording_inputs(layouts, kind, device))
 
+    before = (stats.from_artifact, stats.loaded)
     kernel = load_kernel(key, compile_here, device, sources, stats)
     _LOADED[key] = kernel
+    _ORIGINS[key] = ("the artifact" if stats.from_artifact > before[0] else
+                     "the kernel store" if stats.loaded > before[1] else "compiled here")
     if key in sources.recorded:
         _RECORDED[key] = sources.recorded[key]
     return kernel
@@ -198,16 +220,21 @@ def _kernel_for(kind: str, inputs: list[torch.Tensor], documents: torch.Tensor |
 
     _checked_seq(inputs[0].shape[2])
     layouts = call_layouts(kind, [_layout(t) for t in inputs], None if documents is None else _layout(documents))
-    return _load(kind, layouts, inputs[0].device, KernelSources(device=inputs[0].device), FusionStats())
+    sources = KernelSources(device=inputs[0].device, artifact_kernel=_ARTIFACT_KERNEL[0] if _ARTIFACT_KERNEL else None)
+    return _load(kind, layouts, inputs[0].device, sources, FusionStats())
 
 
 def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, logsumexp in base 2), as the CPU kernel returns them."""
+    """(out, logsumexp in base 2), contiguous, as the CPU kernel returns them (the layouts the
+    graphs record, which the kernels after them are compiled for)."""
     blocks = block_mask_tensors(documents, batch=q.shape[0], seq=q.shape[2], device=q.device)
     kernel = _kernel_for(FORWARD, [q, k, v], documents)
     out, lse = kernel(q, k, v, *([documents] if documents is not None else []), *blocks)[:2]
-    return out, lse
+    # FlexAttention's templates write their outputs in q's stride order (a (batch, seq, heads,
+    # dim) tensor seen as (batch, heads, seq, dim) gives a transposed out): found on an H100, where
+    # the exact regions after the op were compiled for the contiguous results the graph records.
+    return out.contiguous(), lse.contiguous()
 
 
 def flex_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -216,4 +243,4 @@ def flex_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     kernel = _kernel_for(BACKWARD, [q, k, v, out, lse, grad_out], documents)
     grad_q, grad_k, grad_v = kernel(q, k, v, out, lse, grad_out, *([documents] if documents is not None else []),
                                     *blocks)[:3]
-    return grad_q, grad_k, grad_v
+    return grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous()  # as in flex_forward

@@ -6,7 +6,8 @@
   sequence) and the causal mask;
 - a CUDA graph captured once, replayed with new document boundaries: bitwise equal to eager calls
   with those boundaries (no boundary is a constant of the kernels);
-- the kernels are loaded once per process and shape (the second call compiles nothing).
+- the kernels are loaded once per process and shape (the second call compiles nothing);
+- the results are contiguous whatever the inputs' layout (as the graphs record them).
 The whole training path (titan-verify --deterministic, CUDA graphs, 1B seq 8192) and the
 throughput: benchmarks/gpu/gpu_flex.sh."""
 
@@ -79,3 +80,19 @@ def test_captured_graph_replays_new_boundaries_bitwise():
         for a, b in zip(captured, expected):
             assert torch.equal(a, b)
     assert len(flex_kernels._LOADED) == loaded  # nothing compiled or loaded after the warm-up
+
+
+@pytest.mark.gpu(count=1)
+def test_results_are_contiguous_whatever_the_inputs_layout():
+    """The model hands the op (batch, seq, heads, dim) tensors seen as (batch, heads, seq, dim);
+    FlexAttention's templates write their results in q's stride order, and the op returns them
+    contiguous, as its CPU kernel and the graphs' recorded layouts have them (found on an H100:
+    the exact regions after the op are compiled for those)."""
+    q, k, v, grad_out = _inputs(2, 4, 512, 64)
+    documents = _documents(2, 512, mean=100, seed=5)
+    transposed = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, grad_out)]
+    assert not transposed[0].is_contiguous()
+    results = _fwd_bwd(*transposed, documents)
+    assert all(t.is_contiguous() for t in results)
+    for a, b in zip(results, _fwd_bwd(q, k, v, grad_out, documents)):
+        assert (a.float() - b.float()).abs().max().item() < TOLERANCE

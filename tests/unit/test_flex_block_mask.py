@@ -82,3 +82,33 @@ def test_flex_kernel_keys_name_every_layout_and_the_mask():
     assert len(keys) == 4
     strided = dict(q, stride=[65536, 16384, 64, 1])
     assert flex_key(FORWARD, call_layouts(FORWARD, [strided] * 3, docs), context) != flex_key(FORWARD, document, context)
+
+
+def test_flex_calls_read_each_call_in_the_kernels_input_order():
+    """A graph's flex calls, as the runtime prepares their kernels before the first step: the
+    backward op takes grad_out first, its kernels last."""
+    import torch.fx as fx
+
+    import titan.runtime.contract.flex_attention  # noqa: F401  (registers the ops)
+    from titan.runtime.kernels.flex_kernels import flex_calls
+
+    graph = fx.Graph()
+    transposed = {"shape": [1, 2, 256, 32], "stride": [16384, 32, 64, 1], "dtype": "bfloat16"}
+    val = {n: transposed for n in ("q", "k", "v", "out")}
+    val["grad_out"] = dict(transposed, stride=[16384, 8192, 32, 1])  # another layout: it must land last
+    nodes = {}
+    for name in ("q", "k", "v", "out", "grad_out", "documents", "lse"):
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["titan_val"] = val.get(name) or (
+            {"shape": [1, 256], "stride": [256, 1], "dtype": "int64"} if name == "documents"
+            else {"shape": [1, 2, 256], "stride": [512, 256, 1], "dtype": "float32"})
+    fwd = graph.call_function(torch.ops.titan.flex_attention.default,
+                              (nodes["q"], nodes["k"], nodes["v"], nodes["documents"]))
+    bwd = graph.call_function(torch.ops.titan.flex_attention_backward.default,
+                              tuple(nodes[n] for n in ("grad_out", "q", "k", "v", "out", "lse")) + (None,))
+    graph.output((fwd, bwd))
+    (kind_f, forward), (kind_b, backward) = flex_calls(fx.GraphModule(torch.nn.Module(), graph))
+    assert (kind_f, kind_b) == (FORWARD, BACKWARD)
+    assert forward[:4] == [val["q"], val["k"], val["v"], nodes["documents"].meta["titan_val"]] and len(forward) == 12
+    assert backward[:6] == [val["q"], val["k"], val["v"], val["out"], nodes["lse"].meta["titan_val"], val["grad_out"]]
+    assert len(backward) == 14 and not documents_in(backward, BACKWARD)  # causal: no document ids
