@@ -1,9 +1,9 @@
 """Expert tensor parallelism (`titan-build --etp`, builder/models/moe/expert_tp.py) through
 titan-build and titan-verify as a user runs them (real gloo processes, the debug flavors): every
 step's loss and every parameter on every rank torch.equal to the eager reference with the same
-layout, at DeepSeek-V3 tp 2 x ep 2 and dp-shard 2 x tp 2 x ep 2 and Qwen3 MoE tp 2 x ep 2; each
-rank holds half of every expert's hidden width; the losses are those of the same layout without
-expert TP within rounding; a layout --etp does not fit gets one line."""
+layout, at DeepSeek-V3 tp 2 x ep 2, dp-shard 2 x tp 2 x ep 2 and tp 2 alone and Qwen3 MoE tp 2 x
+ep 2; each rank holds half of every expert's hidden width; the losses are those of the same layout
+without expert TP within rounding; a layout --etp does not fit gets one line."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ LAYOUTS = {
     "deepseek-tp2-ep2": ("deepseek_v3", "debug", {"tp": 2, "ep": 2}, 47),
     "deepseek-dp-shard2-tp2-ep2": ("deepseek_v3", "debug", {"dp_shard": 2, "tp": 2, "ep": 2}, 47),
     "qwen3-tp2-ep2": ("qwen3", "debug-moe", {"tp": 2, "ep": 2}, 38),
+    "deepseek-tp2": ("deepseek_v3", "debug", {"tp": 2}, 47),  # no ep: the experts split over tp alone
 }
 
 
