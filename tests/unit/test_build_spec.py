@@ -44,6 +44,8 @@ DEBUG = dict(model="llama3", flavor="debug", tp=1, dp_shard=1, dp_replicate=1, b
     (dict(model="qwen3", tp=2, etp=2), "--etp 2: this qwen3 flavor has no routed experts to split; drop --etp or "
                                        "build a mixture-of-experts flavor"),
     (dict(model="deepseek_v3", etp=0), "--etp 0: the degree must be >= 1"),
+    (dict(model="deepseek_v3", tp=2, shape={"etp": 2}), "--shape etp: expert tensor parallelism is chosen with "
+                                                        "--etp, not as a dimension"),
     (dict(moe_drop=True, model="deepseek_v3"), "--moe-drop drops the assignments past a capacity: give the capacity "
                                                "too, e.g. --moe-capacity 1.25 --moe-drop"),
     (dict(moe_capacity=1.25), "--moe-capacity: this llama3 flavor has no routed experts to dispatch; drop "
