@@ -218,45 +218,50 @@ def main() -> int:
     bounded = min(dropless, math.ceil(args.capacity * n / world))
     kw = dict(iters=args.iters, warmup=args.warmup)
 
+    def row(way, ms, graph, syncs, sent, buf, note) -> None:
+        """One table row, printed as soon as it is measured: a way that hangs or breaks the CUDA
+        context later leaves the rows before it."""
+        if rank == 0:
+            print(f"| {way} | {'-' if ms is None else f'{ms:.3f}'} | {graph} | {syncs} | {sent} | {buf} | {note} |",
+                  flush=True)
+
+    if rank == 0:
+        print(f"== {world} x {torch.cuda.get_device_name(local)}, torch {torch.__version__}; per rank: {args.tokens} "
+              f"tokens x {args.dim} bf16, {args.experts} experts top-{args.top_k} ({args.experts // world} a rank), "
+              f"random routing; median of {args.iters}, identity experts")
+        print("| way | ms per dispatch + combine (eager) | CUDA graph (ms per replay) | host syncs | rows sent "
+              "(rank 0) | buffer rows | check |")
+        print("|---|---|---|---|---|---|---|", flush=True)
     reference = host_splits(r, group)
     _, counts, _ = sort_by_destination(r)
     moved = counts.sum().item()
-    rows = []  # (way, ms eager, graph, host syncs, rows sent per rank, buffer rows, note)
-    rows.append(("host-splits (torchtitan)", timed(lambda: host_splits(r, group), **kw),
-                 "no: reads the splits on the host", 1, moved, f"{n} send, data-sized recv", ""))
+    row("host-splits (torchtitan)", timed(lambda: host_splits(r, group), **kw), "no: reads the splits on the host",
+        1, moved, f"{n} send, data-sized recv", "")
     for name, cap in (("static dropless (titan)", dropless), (f"static capacity {args.capacity:g}", bounded)):
         fn = lambda cap=cap: static_blocks(r, group, cap)  # noqa: E731
         out = fn()
         dropped = (counts - counts.clamp(max=cap)).sum()
         dist.all_reduce(dropped)
         same = torch.equal(out, reference) if dropped.item() == 0 else None
+        ms = timed(fn, **kw)
         ms_graph, why = captured(fn, expect=out, **kw)
         graph = f"yes, {ms_graph:.3f} ms" if why is None else f"no: {why}"
         note = ("== host-splits" if same else "DIFFERS from host-splits") if same is not None \
             else f"{dropped.item()} assignments dropped"
-        rows.append((name, timed(fn, **kw), graph, 0, world * cap, f"{world * cap} send + recv", note))
+        row(name, ms, graph, 0, world * cap, f"{world * cap} send + recv", note)
+    way = "device splits (all_to_all_vdev)"
     try:
         vdev = DeviceSplits(r, group, world)
         out = vdev(r)
         torch.cuda.synchronize()
         same = torch.equal(out, reference)
-        ms_graph, why = captured(lambda: vdev(r), expect=out, **kw)
-        graph = f"yes, {ms_graph:.3f} ms" if why is None else f"no: {why}"
-        rows.append(("device splits (all_to_all_vdev)", timed(lambda: vdev(r), **kw), graph, 0, moved,
-                     f"{n} send, {vdev.buffer_rows} recv", "== host-splits" if same else "DIFFERS from host-splits"))
+        row(way, timed(lambda: vdev(r), **kw), "next row", 0, moved, f"{n} send, {vdev.buffer_rows} recv",
+            "== host-splits" if same else "DIFFERS from host-splits")
     except Exception as e:  # noqa: BLE001 - unavailable here: one line, the other rows stand
-        rows.append(("device splits (all_to_all_vdev)", None, "-", "-", "-", "-",
-                     f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"))
-    if rank == 0:
-        dev = torch.cuda.get_device_name(local)
-        print(f"== {world} x {dev}, torch {torch.__version__}; per rank: {args.tokens} tokens x {args.dim} bf16, "
-              f"{args.experts} experts top-{args.top_k} ({args.experts // world} a rank), random routing; "
-              f"median of {args.iters}, identity experts")
-        print("| way | ms per dispatch + combine (eager) | CUDA graph (ms per replay) | host syncs | rows sent "
-              "(rank 0) | buffer rows | check |")
-        print("|---|---|---|---|---|---|---|")
-        for way, ms, graph, syncs, sent, buf, note in rows:
-            print(f"| {way} | {'-' if ms is None else f'{ms:.3f}'} | {graph} | {syncs} | {sent} | {buf} | {note} |")
+        row(way, None, "-", "-", "-", "-", f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+    else:
+        ms_graph, why = captured(lambda: vdev(r), expect=out, **kw)
+        row(way + ", captured", ms_graph, "yes" if why is None else f"no: {why}", 0, moved, "", "")
     dist.barrier()
     dist.destroy_process_group()
     return 0
