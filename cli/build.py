@@ -71,7 +71,7 @@ def main(shape_args, **values):
                      dtype=cfg.dtype, ac=cfg.ac, fuse=cfg.fuse, attention=cfg.attention, mask=cfg.mask,
                      eos_id=cfg.eos_id,
                      passes=None if passes is None else tuple(p for p in passes.split(",") if p), shape=shape,
-                     moe_capacity=cfg.moe_capacity, moe_drop=cfg.moe_drop, pp=cfg.pp,
+                     moe_capacity=cfg.moe_capacity, moe_drop=cfg.moe_drop, etp=cfg.etp, pp=cfg.pp,
                      microbatches=cfg.microbatches, pp_schedule=cfg.pp_schedule, pp_split=cfg.pp_split,
                      pp_stages_per_rank=cfg.pp_stages_per_rank)
     if cfg.pp_plan:

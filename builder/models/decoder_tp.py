@@ -47,9 +47,16 @@ def swiglu_plan(prefix: str) -> dict:
     }
 
 
-def routed_experts_plan(prefix: str) -> dict:
+def routed_experts_plan(prefix: str, *, expert_tp: bool = False) -> dict:
     """A mixture of experts routes this rank's sequence shard, as torchtitan's does with sequence
     parallel: this rank's tokens in, this rank's tokens out (local tensors). Its parameters,
-    which the plan leaves plain, have their gradients summed over tp (builder/trace/parallelize.py)."""
-    return {prefix + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                                        use_local_output=True)}
+    which the plan leaves plain, have their gradients summed over tp (builder/trace/parallelize.py).
+    With `expert_tp` (--etp = --tp) the routed experts' hidden width is split over tp instead
+    (builder/models/moe/expert_tp.py: the layer gathers its tokens and reduce-scatters its output)."""
+    if expert_tp:
+        from titan.builder.models.moe.expert_tp import ExpertTensorParallel as style
+    else:
+        style = PrepareModuleInput
+    return {prefix + "feed_forward": style(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True)}
+

@@ -65,6 +65,8 @@ def apply_shape(family: ModelSpec, cfg: ModelConfig, overrides: Mapping[str, Any
             raise ValueError(f"{family.name} has no dimension {name!r}; its config's fields are: {', '.join(fields)}")
         if name in ATTENTION_FIELDS:
             raise ValueError(f"--shape {name}: the attention is chosen with --{name.replace('_', '-')}, not as a dimension")
+        if name == "etp":
+            raise ValueError("--shape etp: expert tensor parallelism is chosen with --etp, not as a dimension")
         values[name] = _convert(family.name, fields[name], value)
     shaped = dataclasses.replace(cfg, **values)
     family.check_shape(shaped)

@@ -27,6 +27,8 @@ class BuildConfig:
     """Replicated data-parallel degree."""
     ep: int = setting(1, check="positive")
     """Expert-parallel degree (mixture-of-experts models): routed experts split over this many ranks, which are data parallel for everything else."""
+    etp: int = setting(1, check="positive")
+    """Expert tensor-parallel degree (mixture-of-experts models): 1 (each routed expert whole on its --ep rank, replicated over tp) or the --tp degree (each routed expert's hidden width split over the tp ranks, which then route the whole sequence alike: expert memory / tp, for an all-gather and a reduce-scatter per MoE layer and tp times the all-to-all rows)."""
     pp: int = setting(1, check="positive")
     """Pipeline-parallel degree: the layers split into this many stages, one per pp coordinate (llama3; composes with --dp-replicate, --dp-shard and --tp); each stage is traced as a program of its own and the schedule is stored in the artifact (docs/pipeline.md)."""
     microbatches: int | None = setting(None, check="positive")

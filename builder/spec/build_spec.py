@@ -13,6 +13,7 @@ from titan.builder.passes.checkpointing import AC_POLICIES
 from titan.builder.spec.layout import check_layout
 from titan.builder.models import model_spec
 from titan.builder.models.attention import attention_overrides, attention_tags
+from titan.builder.models.moe import expert_tp_tags
 from titan.builder.models.shape import apply_shape, shape_tags
 from titan.builder.models.spec import ModelConfig, ModelSpec
 from titan.builder.passes.registry import check_passes, default_passes
@@ -69,6 +70,10 @@ class BuildSpec:
     moe_drop: bool = False
     """With moe_capacity: assignments past a buffer's capacity are dropped (numerics change).
     Without: the artifact also carries the dropless program, which redoes an overflowing step."""
+    etp: int = 1
+    """Expert tensor-parallel degree: 1, or the layout's tp (each routed expert's hidden width
+    split over tp: builder/models/moe/expert_tp.py); part of the model config (its `etp`), so of
+    the cache key and the artifact's name."""
 
     @property
     def moe_redo(self) -> bool:
@@ -94,7 +99,8 @@ class BuildSpec:
 
     @property
     def cfg(self) -> ModelConfig:
-        cfg = replace(self.model_spec.flavors[self.flavor], **dict(self.shape), **dict(self.attention))
+        cfg = replace(self.model_spec.flavors[self.flavor], **dict(self.shape), **dict(self.attention),
+                      **({"etp": self.etp} if self.etp > 1 else {}))
         return cfg if self.n_layers is None else replace(cfg, n_layers=self.n_layers)
 
     @property
@@ -104,7 +110,8 @@ class BuildSpec:
         that two different builds never share a default directory."""
         flavor = "" if self.flavor == self.model_spec.default_flavor else f"-{self.flavor}"
         return "-".join([f"{self.model}{flavor}", *shape_tags(dict(self.shape)), self.layout.tag(),
-                         *attention_tags(self.cfg.as_dict()), *(self.pipeline.tags() if self.pipeline else []),
+                         *attention_tags(self.cfg.as_dict()), *expert_tp_tags(self.cfg.as_dict()),
+                         *(self.pipeline.tags() if self.pipeline else []),
                          *non_default_choices(flavor=self.flavor, mesh=self.layout.mesh_shape(),
                                               batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
                                               ac=self.ac, passes=self.passes,
@@ -171,7 +178,7 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
               dtype: str | None = None, passes: tuple[str, ...] | None = None, ac: str = "none",
               fuse: str | None = None, shape: Mapping[str, Any] | None = None, attention: str = "sdpa",
               mask: str = "causal", eos_id: int | None = None, moe_capacity: float | None = None,
-              moe_drop: bool = False, pp: int = 1, microbatches: int | None = None, pp_schedule: str | None = None,
+              moe_drop: bool = False, etp: int = 1, pp: int = 1, microbatches: int | None = None, pp_schedule: str | None = None,
               pp_split: str | None = None, pp_stages_per_rank: int | None = None) -> BuildSpec:
     """Validate user input into a BuildSpec; ValueError names what is wrong and how to fix it.
     `shape`: dimensions of the flavor's config to set (field -> value, builder/models/shape.py);
@@ -184,6 +191,12 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
         raise ValueError(f"unknown partitioner {partitioner!r}; available: {', '.join(PARTITIONERS)}")
     layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp)
     shaped = apply_shape(family, family.flavors[flavor], shape or {})
+    if etp != 1:
+        if etp < 1 or not family.has_experts(shaped):
+            raise ValueError(f"--etp {etp}: " + ("the degree must be >= 1" if etp < 1 else
+                             f"this {family.name} flavor has no routed experts to split; drop --etp or build a "
+                             "mixture-of-experts flavor"))
+        shaped = replace(shaped, etp=etp)
     check_layout(family, shaped, layout)
     chosen = attention_overrides(shaped, model=model, attention=attention, mask=mask, eos_id=eos_id)
     default_b, default_s = _default_shape(flavor)
@@ -221,7 +234,8 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
                      shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})),
                      attention=tuple(sorted(chosen.items())),
                      # One spelling of a factor (2 from a config file, 2.0 from the flag): one cache key.
-                     moe_capacity=None if moe_capacity is None else float(moe_capacity), moe_drop=moe_drop)
+                     moe_capacity=None if moe_capacity is None else float(moe_capacity), moe_drop=moe_drop,
+                     etp=etp)
 
 
 def check_capacity(family: ModelSpec, cfg: ModelConfig, factor: float | None, drop: bool) -> None:

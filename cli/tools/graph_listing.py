@@ -124,8 +124,11 @@ def list_rank_plan(art: Artifact, rank: int) -> list[str]:
     if experts:
         total, ep = experts[0].global_shape[0], art.layout.ep
         coord, per_rank = meta.coords["ep"], total // ep
+        # Expert tensor parallelism (--etp) also cuts every expert's hidden width over tp.
+        split = (f"; each expert's hidden width split over tp, tp coordinate {meta.coords['tp']} of {art.layout.tp}"
+                 if experts[0].placements.get("tp", "R").startswith("S") else "")
         lines.append(f"expert placement: routed experts {coord * per_rank}..{(coord + 1) * per_rank - 1} of {total} "
-                     f"on this rank (ep coordinate {coord} of {ep}; {len(experts)} expert parameters)")
+                     f"on this rank (ep coordinate {coord} of {ep}; {len(experts)} expert parameters{split})")
     if meta.model_plan:
         lines.append("model plan: " + ", ".join(f"{k} {v}" for k, v in meta.model_plan.items()))
     lines += list_moe_capacity(art, rank)

@@ -33,6 +33,19 @@ DEBUG = dict(model="llama3", flavor="debug", tp=1, dp_shard=1, dp_replicate=1, b
      "--passes: fuse_exact must come last (it groups the graph's final order into kernels)"),
     (dict(tp=2, passes=("bucket_all_gather",)), "pass bucket_all_gather needs --dp-shard > 1 in the layout; drop it "
                                                 "from --passes"),
+    (dict(model="deepseek_v3", tp=2, ep=2, etp=4), "--etp 4: expert tensor parallel splits each routed expert over "
+     "the --tp ranks, so it is 1 or the --tp degree (2); use --etp 1 or --etp 2"),
+    (dict(model="deepseek_v3", ep=2, etp=2), "--etp 2: expert tensor parallel splits each routed expert over the --tp "
+     "ranks, and this layout has none; add --tp 2 or drop --etp"),
+    (dict(model="deepseek_v3", tp=2, etp=2, shape={"moe_hidden": 33}),
+     "--etp 2 does not divide the routed expert hidden width (33); pick a --etp that divides it"),
+    (dict(tp=2, etp=2), "--etp 2: this llama3 flavor has no routed experts to split; drop --etp or build a "
+                        "mixture-of-experts flavor"),
+    (dict(model="qwen3", tp=2, etp=2), "--etp 2: this qwen3 flavor has no routed experts to split; drop --etp or "
+                                       "build a mixture-of-experts flavor"),
+    (dict(model="deepseek_v3", etp=0), "--etp 0: the degree must be >= 1"),
+    (dict(model="deepseek_v3", tp=2, shape={"etp": 2}), "--shape etp: expert tensor parallelism is chosen with "
+                                                        "--etp, not as a dimension"),
     (dict(moe_drop=True, model="deepseek_v3"), "--moe-drop drops the assignments past a capacity: give the capacity "
                                                "too, e.g. --moe-capacity 1.25 --moe-drop"),
     (dict(moe_capacity=1.25), "--moe-capacity: this llama3 flavor has no routed experts to dispatch; drop "
@@ -84,3 +97,18 @@ def test_a_moe_capacity_is_in_the_name_and_its_redo_build_is_the_default(change,
     assert spec.name == suffix
     assert spec.moe_redo == (spec.moe_capacity is not None and not spec.moe_drop)
     assert spec.dropless() == make_spec(**(DEBUG | {k: v for k, v in change.items() if not k.startswith("moe_")}))
+
+
+def test_expert_tp_is_in_the_model_config_the_cache_key_and_the_name():
+    """--etp is the config's `etp` (so the eager reference of titan-verify builds the same model
+    from the manifest); at 1 it is left out, so builds without it keep their keys and names."""
+    from titan.builder.spec.cache_key import build_factors, digest
+
+    base = DEBUG | dict(model="deepseek_v3", tp=2, ep=2)
+    whole, split = make_spec(**base), make_spec(**(base | dict(etp=2)))
+    assert "etp" not in whole.cfg.as_dict() and split.cfg.as_dict()["etp"] == 2
+    assert (whole.name, split.name) == ("deepseek_v3-debug-ep2-tp2", "deepseek_v3-debug-ep2-tp2-etp2")
+    assert digest(build_factors(whole)) != digest(build_factors(split))
+    assert make_spec(**(base | dict(etp=1))) == whole
+    assert split.dropless().etp == 2
+    assert make_spec(**(DEBUG | dict(model="qwen3", flavor="debug-moe", tp=2, etp=2))).name == "qwen3-debug-moe-tp2-etp2"

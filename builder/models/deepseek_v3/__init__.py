@@ -10,7 +10,7 @@ from titan.builder.models.spec import require_divides
 from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config, check_shape
 from titan.builder.models.deepseek_v3.hf_names import hf_checkpoint
 from titan.builder.models.deepseek_v3.init import init_specs
-from titan.builder.models.moe import buffer_metric, is_expert_param
+from titan.builder.models.moe import buffer_metric, check_expert_tp, is_expert_param
 from titan.builder.models.spec import ModelSpec, lazy
 from titan.runtime.contract.layout import Layout
 
@@ -21,6 +21,7 @@ def check_layout(cfg: DeepSeekV3Config, layout: Layout) -> None:
                                       "dense feed-forward hidden width": cfg.dense_hidden,
                                       "vocabulary size": cfg.vocab_size})
     require_divides("ep", layout.ep, {"routed experts": cfg.n_routed_experts})
+    check_expert_tp(cfg.etp, layout, moe_hidden=cfg.moe_hidden)
     qk = cfg.n_heads * cfg.qk_head_dim
     # FSDP shards dim 0 of every parameter (the stacked experts: the expert dim).
     dim0s = {"embedding rows": cfg.vocab_size, "model width": cfg.dim, "query projection rows": qk,

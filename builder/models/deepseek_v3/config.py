@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from titan.builder.models.moe import without_default_etp
 from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
 
@@ -65,6 +66,10 @@ class DeepSeekV3Config:
     bias_update_rate: float
     """Auxiliary-loss-free balancing: each step every expert's routing bias moves by this much
     towards the mean load (up when under-loaded, down when over-loaded)."""
+    etp: int = 1
+    """Expert tensor-parallel degree (titan-build --etp): 1, or the --tp degree to split each
+    routed expert's hidden width over the tp ranks (builder/models/moe/expert_tp.py). Left out
+    of as_dict at 1."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -97,7 +102,7 @@ class DeepSeekV3Config:
                 + self.n_dense_layers * dense + self.n_moe_layers * moe)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return without_default_etp(dataclasses.asdict(self))
 
 
 def check_shape(cfg: DeepSeekV3Config) -> None:

@@ -11,9 +11,8 @@ from torch import nn
 
 from titan.builder.models.decoder import SwiGLU
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
-from titan.builder.models.moe.dispatch import dispatch_and_combine
 from titan.builder.models.moe.load import global_load
-from titan.builder.models.moe.layer import add_dispatch_state, add_router_and_experts
+from titan.builder.models.moe.layer import add_dispatch_state, add_router_and_experts, run_routed_experts
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, cfg: DeepSeekV3Config
@@ -63,14 +62,9 @@ class MoE(nn.Module):
         add_dispatch_state(self, experts=e)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.plan is not None, "set MoE.plan (the static dispatch sizes) before running the model"
-        shape = x.shape
-        flat = x.flatten(0, -2)
-        expert_ids, weights = route(flat, self.gate.weight, self.expert_bias, self.cfg)
-        routed = dispatch_and_combine(flat, expert_ids, weights, plan=self.plan, w1=self.w1, w2=self.w2,
-                                      w3=self.w3, group=self.ep_group)
+        out, routed = run_routed_experts(self, x, lambda flat: route(flat, self.gate.weight, self.expert_bias,
+                                                                     self.cfg))
         self._record_load(routed.tokens_per_expert, routed.dropped)
-        out = routed.out.to(x.dtype).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

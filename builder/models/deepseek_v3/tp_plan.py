@@ -10,7 +10,7 @@ rank. The rotary key part shared by all heads meets only this rank's heads, so i
 summed over tp (`rope_key`).
 
 The mixture of experts routes this rank's sequence shard (builder/models/decoder_tp.py's
-routed_experts_plan).
+routed_experts_plan), or with --etp the whole sequence, each routed expert split over tp.
 """
 
 from __future__ import annotations
@@ -70,5 +70,5 @@ def tp_plan(model: DeepSeekV3) -> dict:
                          p + "attention.wq_b": ColwiseParallel()})
         else:
             plan[p + "attention.wq"] = ColwiseParallel()
-        plan.update(routed_experts_plan(p) if block.moe else swiglu_plan(p))
+        plan.update(routed_experts_plan(p, expert_tp=cfg.etp > 1) if block.moe else swiglu_plan(p))
     return plan

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titan.builder.models.attention import without_default_attention
+from titan.builder.models.moe import without_default_etp
 from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
 
@@ -52,6 +53,10 @@ class Qwen3Config:
     """causal, or document: flex attention within each document (titan-build --mask)."""
     eos_id: int | None = None
     """With the document mask: the token that ends each document (titan-build --eos-id)."""
+    etp: int = 1
+    """Expert tensor-parallel degree (titan-build --etp): 1, or the --tp degree to split each
+    routed expert's hidden width over the tp ranks (builder/models/moe/expert_tp.py). Left out
+    of as_dict at 1."""
 
     def __post_init__(self):
         # The manifest's JSON gives a list back (config_from_dict).
@@ -85,7 +90,7 @@ class Qwen3Config:
         return odd[-1] + 1 if odd else 0
 
     def as_dict(self) -> dict:
-        return without_default_attention(dataclasses.asdict(self))
+        return without_default_etp(without_default_attention(dataclasses.asdict(self)))
 
 
 _QWEN3 = dict(vocab_size=151936, head_dim=128)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from titan.builder.models.moe import check_expert_tp
 from titan.builder.models.qwen3.config import Qwen3Config
 from titan.builder.models.spec import require_divides
 from titan.runtime.contract.layout import Layout
@@ -23,4 +24,5 @@ def check_layout(cfg: Qwen3Config, layout: Layout) -> None:
                              "or pick a mixture-of-experts flavor (debug-moe, 30B-A3B, 235B-A22B)")
         return
     require_divides("ep", layout.ep, {"routed experts": cfg.n_experts})
+    check_expert_tp(cfg.etp, layout, moe_hidden=cfg.moe_hidden)
     require_divides("dp-shard", layout.dp_shard, {"routed experts per --ep rank": cfg.n_experts // layout.ep})

@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan.builder.models.moe.dispatch import dispatch_and_combine
 from titan.builder.models.moe.load import global_load
 from titan.builder.models.qwen3.config import Qwen3Config
-from titan.builder.models.moe.layer import add_dispatch_state, add_router_and_experts
+from titan.builder.models.moe.layer import add_dispatch_state, add_router_and_experts, run_routed_experts
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int, norm_topk_prob: bool
@@ -45,14 +44,10 @@ class MoE(nn.Module):
         add_dispatch_state(self, experts=e)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.plan is not None, "set MoE.plan (the static dispatch sizes) before running the model"
-        shape = x.shape
-        flat = x.flatten(0, -2)
-        expert_ids, weights = route(flat, self.gate.weight, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
-        routed = dispatch_and_combine(flat, expert_ids, weights, plan=self.plan, w1=self.w1, w2=self.w2,
-                                      w3=self.w3, group=self.ep_group)
+        out, routed = run_routed_experts(self, x, lambda flat: route(flat, self.gate.weight, top_k=self.top_k,
+                                                                     norm_topk_prob=self.norm_topk_prob))
         self._record_load(routed.tokens_per_expert, routed.dropped)
-        return routed.out.to(x.dtype).view(shape)
+        return out
 
     @torch.no_grad()
     def _record_load(self, tokens_per_expert: torch.Tensor, dropped: torch.Tensor) -> None:
