@@ -29,12 +29,18 @@ class StageCosts:
     """The embedding's."""
     head_params: int = 0
     """The final norm's and the output projection's."""
+    block_expert_params: tuple[int, ...] = ()
+    """Of each block's parameters, its routed experts' (split over ep x dp-shard ranks, the rest
+    over tp x dp-shard); empty: none."""
 
     def stage(self, start: int, stop: int, *, first: bool, last: bool) -> float:
         return sum(self.block[start:stop]) + first * self.embedding + last * self.head
 
     def stage_params(self, start: int, stop: int, *, first: bool, last: bool) -> int:
         return sum(self.block_params[start:stop]) + first * self.embedding_params + last * self.head_params
+
+    def stage_expert_params(self, start: int, stop: int) -> int:
+        return sum(self.block_expert_params[start:stop])
 
 
 def dense_decoder_costs(cfg, seq_len: int) -> StageCosts:

@@ -11,7 +11,7 @@ from pathlib import Path
 from titan.runtime.contract.checks import ArtifactError
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.manifest import MANIFEST, Manifest, ProgramFiles
-from titan.runtime.contract.rank_record import ParamSpec, RankRecord, bind_program
+from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, RankRecord, bind_program
 from titan.runtime.common.safe_files import UnsafeFile, loads_json, read_regular
 
 MAX_FILE_BYTES = 1 << 30
@@ -146,6 +146,13 @@ class Artifact:
         if not stages:
             return self.rank_record(rank).params
         return tuple(p for s in stages for p in self.rank_record(rank, stage=s).params)
+
+    def rank_buffers(self, rank: int) -> tuple[BufferSpec, ...]:
+        """The model buffers `rank` holds: its program's, or its pipeline stages' one after another."""
+        stages = self.manifest.stages_of(rank)
+        if not stages:
+            return self.rank_record(rank).buffers
+        return tuple(b for s in stages for b in self.rank_record(rank, stage=s).buffers)
 
     def model_params(self, rank: int = 0) -> tuple[ParamSpec, ...]:
         """Every parameter of the model (a checkpoint's description lists them all, with their
