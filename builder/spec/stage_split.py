@@ -53,6 +53,20 @@ def dense_decoder_costs(cfg, seq_len: int) -> StageCosts:
                       block_params=(per_block,) * cfg.n_layers, embedding_params=embedding, head_params=head)
 
 
+def decoder_costs(*, dim: int, vocab_size: int, seq_len: int, attention_width: int,
+                  blocks: list[tuple[int, int, int]]) -> StageCosts:
+    """Costs of a decoder with untied embedding and output whose blocks may differ (dense, or a
+    mixture of experts): each block given as (parameters, parameters a token runs through: a MoE
+    block's attention, router, shared experts and top-k routed experts, its routed experts'
+    parameters). Attention adds 6 x sequence x `attention_width` (the query/key plus value widths
+    of all heads) per token."""
+    attention = 6 * seq_len * attention_width
+    return StageCosts(block=tuple(6 * active + attention for _, active, _ in blocks), embedding=2 * dim,
+                      head=6 * vocab_size * dim, block_params=tuple(total for total, _, _ in blocks),
+                      embedding_params=vocab_size * dim, head_params=vocab_size * dim + dim,
+                      block_expert_params=tuple(routed for _, _, routed in blocks))
+
+
 def balanced_split(costs: StageCosts, stages: int) -> tuple[int, ...]:
     """Layer counts per stage (each at least one) minimising the costliest stage (exact dynamic
     programming over the cut points; ties are broken the same way every time)."""
