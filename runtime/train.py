@@ -235,7 +235,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     reader = " (importing torch's checkpoint reader)" if cfg.resume or cfg.checkpoint_dir else ""
     with phases(f"rank {env.rank}: checking the run's options and files{reader}", short="checks"):
         run_state = RunState(cfg, artifact.manifest, params, buffers=artifact.rank_buffers(env.rank),
-                             model_params=artifact.model_params(env.rank))
+                             model_params=artifact.model_params(env.rank),
+                             model_buffers=artifact.model_buffers(env.rank))
     if startup.STARTED_ENV not in os.environ:  # not spawned by titan-run, which said these already (torchrun)
         for note in run_state.notes:
             _say(env, cfg, None, note)

@@ -164,6 +164,15 @@ class Artifact:
         return tuple(p for s in range(schedule.n_stages)
                      for p in self.rank_record(schedule.stage_rank[s] * per_block, stage=s).params)
 
+    def model_buffers(self, rank: int = 0) -> tuple[BufferSpec, ...]:
+        """Every model buffer (whole on every rank that holds one): `rank`'s program's, or with
+        pipeline stages each stage's."""
+        if self.manifest.pipeline is None:
+            return self.rank_record(rank).buffers
+        schedule, per_block = self.manifest.pipeline.schedule, self.world_size // self.layout.pp
+        return tuple(b for s in range(schedule.n_stages)
+                     for b in self.rank_record(schedule.stage_rank[s] * per_block, stage=s).buffers)
+
 
 def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:
     root = Path(path)
