@@ -6,7 +6,6 @@ from __future__ import annotations
 import click
 
 from titan.builder.spec.build_spec import BuildSpec
-from titan.builder.spec.stage_split import dense_decoder_costs
 from titan.runtime.contract.memory_estimate import GIB, PARAM_STATE_BYTES
 
 
@@ -20,19 +19,24 @@ def show_pipeline_plan(spec: BuildSpec) -> None:
     for line in record.table():
         click.echo(line)
     click.echo("memory per rank of each stage (fp32 parameters, gradients and AdamW's two moments, sharded over "
-               "the stage's tp x dp-shard ranks; saved activations: the peak micro-batches in flight times one "
-               "micro-batch's, which the stage's trace will report):")
-    costs = dense_decoder_costs(spec.cfg, spec.seq_len)
-    shards = layout.tp * layout.dp_shard
+               "the stage's tp x dp-shard ranks, routed experts over ep x dp-shard; saved activations: the peak "
+               "micro-batches in flight times one micro-batch's, which the stage's trace will report):")
+    costs = spec.model_spec.stage_costs(spec.cfg, spec.seq_len)
+
+    def state_bytes(s: int) -> float:
+        """Stage s's parameter state per rank."""
+        (a, b), last = record.stage_layers[s], s == record.n_stages - 1
+        experts = costs.stage_expert_params(a, b)
+        dense = costs.stage_params(a, b, first=s == 0, last=last) - experts
+        return (dense / (layout.tp * layout.dp_shard) + experts / (layout.ep * layout.dp_shard)) * PARAM_STATE_BYTES
+
     for s, (a, b) in enumerate(record.stage_layers):
         params = costs.stage_params(a, b, first=s == 0, last=s == record.n_stages - 1)
-        click.echo(f"  stage {s}: {params / 1e9:.3g} B parameters, {params * PARAM_STATE_BYTES / shards / GIB:.2f} GiB "
-                   f"per rank; {record.in_flight(s)} micro-batches in flight")
+        click.echo(f"  stage {s}: {params / 1e9:.3g} B parameters, {state_bytes(s) / GIB:.2f} GiB per rank; "
+                   f"{record.in_flight(s)} micro-batches in flight")
     if record.n_stages > layout.pp:  # several stages per rank: what each rank holds of them together
         for r in range(layout.pp):
             stages = [s for s in range(record.n_stages) if record.stage_rank[s] == r]
-            params = sum(costs.stage_params(*record.stage_layers[s], first=s == 0, last=s == record.n_stages - 1)
-                         for s in stages)
             click.echo(f"  pp rank {r} (stages {', '.join(map(str, stages))}): "
-                       f"{params * PARAM_STATE_BYTES / shards / GIB:.2f} GiB per rank; at most "
+                       f"{sum(map(state_bytes, stages)) / GIB:.2f} GiB per rank; at most "
                        f"{record.rank_in_flight(r)} stage micro-batches in flight")

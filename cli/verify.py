@@ -99,8 +99,8 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
 
     from titan.cli.tools.verify import all_ranks_equal, verify_rank
     verdict = verify_rank(artifact, cfg, env)
-    steps_equal, differ = all_ranks_equal(verdict)
-    equal = steps_equal and differ == 0
+    steps_equal, differ, buffers_differ, buffers = all_ranks_equal(verdict)
+    equal = steps_equal and differ == 0 and buffers_differ == 0
     eager, graph = verdict.eager, verdict.artifact
     if env.rank == 0:
         if json_path:
@@ -111,7 +111,8 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
                            "artifact_grad_norm": [x.item().hex() for x in graph.grad_norms],
                            "eager_val_loss": [[s, x.item().hex()] for s, x in eager.val_losses],
                            "artifact_val_loss": [[s, x.item().hex()] for s, x in graph.val_losses],
-                           "parameters_differing": differ, "bitwise_equal": equal,
+                           "parameters_differing": differ, "buffers_differing": buffers_differ,
+                           "bitwise_equal": equal,
                            # A bounded MoE dispatch: each step's micro-batches redone dropless.
                            **({"artifact_moe_redone": [r["moe_redone"] for r in verdict.artifact_steps]}
                               if verdict.artifact_steps and "moe_redone" in verdict.artifact_steps[0] else {})}, f)
@@ -126,6 +127,9 @@ def _verify(artifact: str, cfg, env, *, json_path: str | None) -> int:
                   f"{'same' if torch.equal(a, b) else 'DIFFERENT'}")
         print(f"parameters after step {len(graph.losses)}: " + ("all bitwise equal" if differ == 0 else
               f"{differ} tensors differ") + f" ({verdict.params} tensors per rank, {env.world_size} ranks)")
+        if buffers:
+            print(f"model buffers after step {len(graph.losses)}: " + ("all bitwise equal" if buffers_differ == 0
+                  else f"{buffers_differ} tensors differ") + f" ({buffers} tensors on {env.world_size} ranks)")
         print(f"bitwise equal: {'yes' if equal else 'no'}", flush=True)
         changing = _numerics_changing_passes(artifact)
         if changing and not equal:

@@ -24,16 +24,18 @@ if TYPE_CHECKING:
 class BufferState:
     """This rank's buffers, by name, in the order the metadata lists them."""
 
-    def __init__(self, record: RankRecord, *, device: torch.device,
+    def __init__(self, *records: RankRecord, device: torch.device,
                  load: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None):
-        """`load`: a buffer's initial value (e.g. from a Hugging Face checkpoint), None for zeros."""
-        self.specs = record.buffers
+        """The buffers of `records` (a rank's program, or each of its pipeline stages' programs,
+        whose blocks and so buffers differ); `load`: a buffer's initial value (e.g. from a
+        Hugging Face checkpoint), None for zeros."""
+        self.specs = tuple(b for record in records for b in record.buffers)
         self.tensors = {}
         for b in self.specs:
             loaded = load(b)
             self.tensors[b.fqn] = (torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=device)
                                    if loaded is None else loaded)
-        self.mutated = list(record.mutated_buffers)
+        self.mutated = [fqn for record in records for fqn in record.mutated_buffers]
 
     def __len__(self) -> int:
         return len(self.tensors)

@@ -117,6 +117,12 @@ def check_matches(state: dict, step_dir: Path, *, model_config: dict, params: tu
 
 
 
+def _described_buffers(buffers: dict[str, torch.Tensor] | None, described: tuple[BufferSpec, ...] | None) -> dict:
+    shapes = ({k: list(t.shape) for k, t in (buffers or {}).items()} if described is None
+              else {b.fqn: list(b.shape) for b in described})
+    return {"buffers": shapes} if shapes else {}
+
+
 def check_complete(step_dir: Path) -> None:
     """Every tensor of the checkpoint is covered by its saved pieces (no shard file is missing)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -169,10 +175,12 @@ def dcp_state(params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimi
 
 def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], tensors: list[torch.Tensor], optimizer,
          description: dict, buffers: dict[str, torch.Tensor] | None = None,
-         described: tuple[ParamSpec, ...] | None = None) -> Path:
+         described: tuple[ParamSpec, ...] | None = None, described_buffers: tuple[BufferSpec, ...] | None = None
+         ) -> Path:
     """Collective: every rank calls it. Returns the complete step directory. `params`: this
-    rank's; `described`: every parameter of the model, which titan.json lists (default `params`:
-    each rank holds a shard of each; a pipeline stage's rank holds only its stages')."""
+    rank's; `described`, `described_buffers`: every parameter and buffer of the model, which
+    titan.json lists (default `params` and `buffers`: each rank holds a shard of each; a
+    pipeline stage's rank holds only its stages')."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -194,7 +202,7 @@ def save(root: str | os.PathLike, step: int, *, params: tuple[ParamSpec, ...], t
         written = dict(description, format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, step=step,
                        optimizer_steps=optimizer.steps,
                        params={p.fqn: list(p.global_shape) for p in (params if described is None else described)},
-                       **({"buffers": {k: list(t.shape) for k, t in buffers.items()}} if buffers else {}),
+                       **_described_buffers(buffers, described_buffers),
                        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(partial / STATE_FILE, "w") as f:
             json.dump(written, f, indent=1)

@@ -48,9 +48,9 @@ def check_run(art: Artifact, cfg: RunConfig) -> tuple[str, list[str]]:
     from titan.runtime.run_state import RunState
 
     art.verify_all()
-    record = art.rank_record(0)
-    # Every rank's checks, once (of the whole model's parameters: a pipeline rank holds only its stages').
-    state = RunState(cfg, art.manifest, art.model_params(), buffers=record.buffers)
+    # Every rank's checks, once (of the whole model's parameters and buffers: a pipeline rank holds
+    # only its stages').
+    state = RunState(cfg, art.manifest, art.model_params(), buffers=art.model_buffers())
     state.close()
     if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         from titan.runtime.step_log import TENSORBOARD_HINT

@@ -20,7 +20,7 @@ from titan.runtime.buffer_state import BufferState
 from titan.runtime.contract.artifact import Artifact
 from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.memory_estimate import check_device, estimate_from_graphs
-from titan.runtime.contract.rank_record import ParamSpec, RankRecord
+from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, RankRecord
 from titan.runtime.init import materialize
 from titan.runtime.kernels.fusion import compile_program_regions
 from titan.runtime.pipeline_executor import run_pipeline_step
@@ -36,8 +36,10 @@ class PipelineProgram:
 
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None, params_from: str = "seeded init",
+                 load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None,
                  artifact_kernels: bool = False):
-        """`artifact_kernels`: whether the artifact's own kernels are trusted (kernels_trusted)."""
+        """`artifact_kernels`: whether the artifact's own kernels are trusted (kernels_trusted);
+        `load_buffer`: a model buffer's initial value (None: zeros; runtime/buffer_state.py)."""
         manifest = artifact.manifest
         self.schedule = manifest.pipeline.schedule
         self.layout, self.rank, self.device = artifact.layout, rank, device
@@ -51,9 +53,6 @@ class PipelineProgram:
                     short="program"):
             for s in held:
                 record = artifact.rank_record(rank, stage=s)
-                if record.buffers:
-                    raise ValueError(f"{artifact.root} stage {s} updates model buffers, which pipeline stages do "
-                                     "not carry; rebuild it without --pp")
                 forward, backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh), stage=s)
                 # Each micro-batch in flight holds its own saved activations (the schedule's peak).
                 check_device(estimate_from_graphs(record, forward, backward, dense_flex=device.type != "cuda"),
@@ -70,9 +69,16 @@ class PipelineProgram:
         self.coords = self.records[held[0]].coords
         self.pp_rank = self.coords["pp"]
         self.pp_group = mesh.get_group("pp")
-        self.buffers = BufferState(self.records[held[0]], device=device)  # none: stages carry no buffers
+        # Every held stage's buffers (a MoE block's balancing bias and load), one state: checkpoints
+        # and metrics read them as a whole model's.
+        self.buffers = BufferState(*(self.records[s] for s in held), device=device, load=load_buffer)
         # Made once: a zero-bubble schedule's split of each backward is cut on first use and kept.
         self.stages = {s: self._stage(s) for s in held}
+
+    def step_metrics(self) -> dict:
+        """The expert load of this rank's stages' MoE blocks (runtime/buffer_state.py), read after
+        the step; the logging rank's stages only (a read here is no collective)."""
+        return self.buffers.metrics()
 
     @property
     def microbatches(self) -> int:
@@ -81,11 +87,17 @@ class PipelineProgram:
     def _stage(self, s: int) -> GraphStage:
         record = self.records[s]
         forward, backward = self.graphs[s]
-        kinds = tuple(i.kind for i in record.forward_inputs if i.kind not in ("param", "buffer"))
+        order = [i.kind for i in record.forward_inputs]
+        kinds = tuple(kind for kind in order if kind not in ("param", "buffer"))
+        # The traced forward takes the parameters, then the buffers, then the data (aot export's order).
+        assert order == sorted(order, key=lambda kind: ("param", "buffer").index(kind) if kind in ("param", "buffer")
+                               else 2), order
+        buffers = [self.buffers.tensors[i.fqn] for i in record.forward_inputs if i.kind == "buffer"]
         io = record.stage
         return GraphStage(forward=forward, backward=backward, params=self.stage_params[s], inputs=kinds, tokens=(),
                           labels=(), activation_shape=io.input_shape or io.output_shape,
-                          dtype=getattr(torch, io.dtype), device=self.device)
+                          dtype=getattr(torch, io.dtype), device=self.device, buffers=buffers,
+                          updated=[self.buffers.tensors[fqn] for fqn in record.mutated_buffers])
 
     @torch.no_grad()
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

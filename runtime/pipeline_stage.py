@@ -19,11 +19,15 @@ from titan.runtime.grad_accumulation import accumulate_grads
 class GraphStage:
     def __init__(self, *, forward: fx.GraphModule, backward: fx.GraphModule, params: list[torch.Tensor],
                  inputs: tuple[str, ...], tokens: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, ...],
-                 activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None):
+                 activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None,
+                 buffers: list[torch.Tensor] = (), updated: list[torch.Tensor] = ()):
         """`params` in the program's order; `inputs` its input kinds (STAGE_INPUTS); `tokens` and
         `labels` this step's micro-batches (used by the first and last stage); received
-        activations and gradients land in buffers of `activation_shape` and `dtype` on `device`."""
+        activations and gradients land in buffers of `activation_shape` and `dtype` on `device`.
+        `buffers`: the model buffers the forward reads, after the parameters (a MoE's balancing
+        bias and load); `updated`: those whose new values the forward returns first, in that order."""
         self.fw, self.bw, self.params, self.inputs = forward, backward, params, inputs
+        self.buffers, self.updated = list(buffers), list(updated)
         self.tokens, self.labels = tokens, labels
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.saved: dict[int, list[torch.Tensor]] = {}
@@ -32,17 +36,38 @@ class GraphStage:
         self.last = "labels" in inputs
         self.held: dict[int, tuple[torch.Tensor, ...]] = {}
         """Per micro-batch between its backward_input and backward_weight: what the weight part reads."""
+        # Where the received activations' gradient is among the backward's input gradients (one
+        # per forward input after the parameters: None for each buffer).
+        self.input_grad = len(self.buffers) + inputs.index("activations") if "activations" in inputs else None
 
     def forward(self, microbatch: int, inputs: torch.Tensor | None) -> torch.Tensor | None:
         values = {"tokens": lambda: self.tokens[microbatch], "activations": lambda: inputs,
                   "labels": lambda: self.labels[microbatch]}
         with torch.no_grad():
-            out, *saved = self.fw(*self.params, *(values[kind]() for kind in self.inputs))
+            outputs = self.fw(*self.params, *self.buffers, *(values[kind]() for kind in self.inputs))
+        n = len(self.updated)
+        out, *saved = outputs[n:]
+        self._update_buffers(outputs[:n], saved)
         self.saved[microbatch] = saved
         if self.last:
             self.losses[microbatch] = out
             return None
         return out
+
+    def _update_buffers(self, updates, saved: list[torch.Tensor]) -> None:
+        """A forward's buffer updates take effect at once, as eager PyTorch's in-place updates do:
+        the stage's next micro-batch reads them (a pipeline runs several forwards before their
+        backwards). This micro-batch's backward may still recompute from the old values
+        (activation checkpointing saves the buffers themselves), so what it saved of them is
+        kept as it was."""
+        if not self.updated:
+            return
+        storages = {b.untyped_storage().data_ptr() for b in self.updated}
+        for i, t in enumerate(saved):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages:
+                saved[i] = t.clone()
+        for buffer, new in zip(self.updated, updates, strict=True):
+            buffer.copy_(new)
 
     def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         saved = self.saved.pop(microbatch)
@@ -51,8 +76,7 @@ class GraphStage:
         with torch.no_grad():
             grads = self.bw(*saved, grad_output)
             accumulate_grads(self.params, grads)
-        input_grads = grads[len(self.params):]
-        return input_grads[self.inputs.index("activations")] if "activations" in self.inputs else None
+        return None if self.input_grad is None else grads[len(self.params) + self.input_grad]
 
     @functools.cached_property
     def split(self) -> SplitBackward:
@@ -68,8 +92,7 @@ class GraphStage:
         with torch.no_grad():
             out = self.split.input(*saved, grad_output)
         self.held[microbatch] = tuple(out[self.split.n_input_grads:])
-        input_grads = out[:self.split.n_input_grads]
-        return input_grads[self.inputs.index("activations")] if "activations" in self.inputs else None
+        return None if self.input_grad is None else out[self.input_grad]
 
     def backward_weight(self, microbatch: int) -> None:
         """The weight-gradient part: adds the parameters' gradients, as backward does."""

@@ -52,17 +52,20 @@ class RunState:
 
     def __init__(self, cfg: RunConfig, manifest: Manifest, params: tuple[ParamSpec, ...], *,
                  buffers: tuple[BufferSpec, ...] = (),
-                 device: torch.device | None = None, model_params: tuple[ParamSpec, ...] | None = None):
-        """`params`: this rank's; `model_params`: the whole model's, which a checkpoint describes
-        (a pipeline stage's rank holds only its stages': default `params`)."""
+                 device: torch.device | None = None, model_params: tuple[ParamSpec, ...] | None = None,
+                 model_buffers: tuple[BufferSpec, ...] | None = None):
+        """`params`, `buffers`: this rank's; `model_params`, `model_buffers`: the whole model's,
+        which a checkpoint describes (a pipeline stage's rank holds only its stages': default
+        `params`, `buffers`)."""
         self.cfg, self.manifest, self.params, self.device = cfg, manifest, params, device
         self.model_params = params if model_params is None else model_params
+        self.model_buffers = buffers if model_buffers is None else model_buffers
         self.hf = None
         self.resume_from: Path | None = None
         self.resumed: dict = {}
         self.notes: list[str] = []
         try:
-            self._check(cfg, manifest, params, buffers)
+            self._check(cfg, manifest, params, self.model_buffers)
         except RunOptionError:
             raise
         except ValueError as e:
@@ -221,4 +224,5 @@ class RunState:
         if not due:
             return None
         return checkpoint.save(cfg.checkpoint_dir, step, params=self.params, tensors=tensors, optimizer=optimizer,
-                               description=self._description(), buffers=buffers, described=self.model_params)
+                               description=self._description(), buffers=buffers, described=self.model_params,
+                               described_buffers=self.model_buffers)

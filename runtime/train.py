@@ -233,12 +233,12 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
                             f"{env.world_size} ranks; launch {artifact.world_size} ranks or rebuild for this layout")
     # Initial state (seed / --init-from-hf / --resume), checkpoints and the one check of the run's
     # options against the artifact: runtime/run_state.py.
-    record = artifact.rank_record(env.rank)
     params = artifact.rank_params(env.rank)
     reader = " (importing torch's checkpoint reader)" if cfg.resume or cfg.checkpoint_dir else ""
     with phases(f"rank {env.rank}: checking the run's options and files{reader}", short="checks"):
-        run_state = RunState(cfg, artifact.manifest, params, buffers=record.buffers,
-                             model_params=artifact.model_params(env.rank))
+        run_state = RunState(cfg, artifact.manifest, params, buffers=artifact.rank_buffers(env.rank),
+                             model_params=artifact.model_params(env.rank),
+                             model_buffers=artifact.model_buffers(env.rank))
     if startup.STARTED_ENV not in os.environ:  # not spawned by titan-run, which said these already (torchrun)
         for note in run_state.notes:
             _say(env, cfg, None, note)
@@ -273,8 +273,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     if m.pipeline is not None:
         from titan.runtime.pipeline_program import PipelineProgram
         program = PipelineProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
-                                  load_param=run_state.load_param, params_from=run_state.params_from(),
-                                  artifact_kernels=trusted)
+                                  load_param=run_state.load_param, load_buffer=run_state.load_buffer,
+                                  params_from=run_state.params_from(), artifact_kernels=trusted)
     else:
         program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                                micro_batches=recipe.micro_batches, load_param=run_state.load_param,

@@ -4,7 +4,8 @@
 # torch.distributed.pipelining on the same GPUs (every step's loss and gradient norm and every
 # parameter on every rank, bitwise), then titan-run's median step and peak memory.
 #   NGPU=2 bash benchmarks/gpu/gpu_pipeline.sh          # pp 2: 1f1b, gpipe, interleaved-1f1b, zbv
-#   NGPU=4 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 2 x tp 2, pp 2 x dp-shard 2, pp 4
+#   NGPU=4 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 2 x tp 2, pp 2 x dp-shard 2, pp 4,
+#                                                       # DeepSeek-V3 pp 2 x ep 2 (1f1b, zbv)
 #   NGPU=8 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 4 x tp 2, pp 8
 # CASES="name ..." runs those only. Each rank's whole step is one CUDA graph (runtime/captured_pipeline.py);
 # the verify and the timing also run with --no-cuda-graphs (op by op) beside it.
@@ -21,6 +22,8 @@ CASE_LIST=(
   "4|pp2-tp2|$DEBUG --pp 2 --tp 2 --microbatches 4"
   "4|pp2-fsdp2|$DEBUG --pp 2 --dp-shard 2 --microbatches 4"
   "4|pp4-1f1b|$DEBUG --pp 4 --microbatches 8"
+  "4|ds-pp2-ep2|--model deepseek_v3 --flavor debug --dtype bf16 --pp 2 --ep 2 --microbatches 4"
+  "4|ds-pp2-ep2-zbv|--model deepseek_v3 --flavor debug --n-layers 4 --dtype bf16 --pp 2 --ep 2 --pp-schedule zbv --microbatches 4"
   "8|pp4-tp2|$DEBUG --pp 4 --tp 2 --microbatches 8"
   "8|pp8-1f1b|$DEBUG --pp 8 --microbatches 8"
 )

@@ -181,6 +181,12 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
+    def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables (cos, sin) of `seq_len` positions, computed inside the forward: the
+        whole model's and each pipeline stage's (builder/models/decoder_stage.py). A family with
+        another rotary scheme (DeepSeek-V3's YaRN on its rotary dims) overrides it."""
+        return rope_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, device)
+
     def moe_layers(self) -> list[nn.Module]:
         """The mixture-of-experts feed-forwards (builder/models/moe), in block order."""
         return [block.feed_forward for block in self.layers.values() if getattr(block, "moe", False)]

@@ -13,14 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan.builder.models.decoder import rope_tables
-
-
-def decoder_rope(cfg) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
-    """RoPE tables for a config with head_dim and rope_theta (Llama 3, Qwen3 dense), computed
-    inside the forward as the whole model's are."""
-    return lambda seq_len, device: rope_tables(seq_len, cfg.head_dim, cfg.rope_theta, device)
-
 
 class DecoderStage(nn.Module):
     """Blocks [start, stop) of `model` (the parameters are the model's own modules: same names).
@@ -34,7 +26,7 @@ class DecoderStage(nn.Module):
         super().__init__()
         self.seq_len = seq_len
         self.loss_fn = loss_fn or mean_token_loss
-        self.rope = decoder_rope(model.cfg)
+        self.rope = model.rope  # the family's tables (Decoder.rope), as the whole model computes them
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(start, stop)})
         self.norm, self.output = (model.norm, model.output) if last else (None, None)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 if TYPE_CHECKING:
     from torch import nn
 
+    from titan.builder.spec.stage_split import StageCosts
     from titan.runtime.contract.hf_record import HFRecord
     from titan.runtime.contract.layout import Layout
 
@@ -142,6 +143,10 @@ class ModelSpec:
     """How many first blocks differ from the repeated block that follows them (e.g. dense
     feed-forward blocks before the experts): a deep model's shallow traces keep all of them and
     add 3-5 repeated blocks (builder/program/deep.py)."""
+    stage_costs: Callable[[ModelConfig, int], StageCosts] | None = None
+    """(config, sequence length) -> the training FLOPs per token and the parameters of each
+    block, of the embedding and of the output (builder/spec/stage_split.py): what a pipeline's
+    stage split balances and --pp-plan reports. None: the family builds with --pp 1."""
     hf_checkpoint: Callable[[ModelConfig, list[str]], HFRecord] | None = None
     """The Hugging Face checkpoint record for the given parameters (names, row permutations,
     expected config.json values), written into the manifest for --init-from-hf and

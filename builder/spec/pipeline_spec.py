@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan.builder.spec.pipeline_order import interleaved_rounds, pipeline_schedule
-from titan.builder.spec.stage_split import balanced_split, dense_decoder_costs, layer_spans, parse_split
+from titan.builder.models import MODELS
+from titan.builder.spec.stage_split import balanced_split, layer_spans, parse_split
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.pipeline_schedule import (MAX_ACTIONS, MAX_MICROBATCHES, SCHEDULES, SPLIT_BACKWARD,
                                                       PipelineSchedule)
 from titan.runtime.contract.rank_record import StagePlace
 
-PIPELINE_MODELS = ("llama3",)
+PIPELINE_MODELS = tuple(name for name, family in MODELS.items() if family.stage_costs is not None)
 """Families whose stage split and stage programs titan knows (a stage cost model each)."""
 
 
@@ -99,7 +100,7 @@ def make_pipeline(*, model: str, cfg, layout: Layout, seq_len: int, schedule: st
         raise ValueError(f"{stages} stages x --microbatches {microbatches} is up to {actions:,} actions per step, "
                          f"more than a schedule record holds ({MAX_ACTIONS:,}); use fewer micro-batches")
     if split is None:
-        counts = balanced_split(dense_decoder_costs(cfg, seq_len), stages)
+        counts = balanced_split(MODELS[model].stage_costs(cfg, seq_len), stages)
     else:
         counts = parse_split(split, stages=stages, n_layers=cfg.n_layers)
     return PipelineSpec(schedule=schedule, stages_per_rank=v, microbatches=microbatches, stage_layers=counts,

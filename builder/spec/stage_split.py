@@ -29,12 +29,18 @@ class StageCosts:
     """The embedding's."""
     head_params: int = 0
     """The final norm's and the output projection's."""
+    block_expert_params: tuple[int, ...] = ()
+    """Of each block's parameters, its routed experts' (split over ep x dp-shard ranks, the rest
+    over tp x dp-shard); empty: none."""
 
     def stage(self, start: int, stop: int, *, first: bool, last: bool) -> float:
         return sum(self.block[start:stop]) + first * self.embedding + last * self.head
 
     def stage_params(self, start: int, stop: int, *, first: bool, last: bool) -> int:
         return sum(self.block_params[start:stop]) + first * self.embedding_params + last * self.head_params
+
+    def stage_expert_params(self, start: int, stop: int) -> int:
+        return sum(self.block_expert_params[start:stop])
 
 
 def dense_decoder_costs(cfg, seq_len: int) -> StageCosts:
@@ -45,6 +51,20 @@ def dense_decoder_costs(cfg, seq_len: int) -> StageCosts:
     return StageCosts(block=(6 * per_block + 12 * cfg.dim * seq_len,) * cfg.n_layers,
                       embedding=2 * cfg.dim, head=6 * cfg.vocab_size * cfg.dim,
                       block_params=(per_block,) * cfg.n_layers, embedding_params=embedding, head_params=head)
+
+
+def decoder_costs(*, dim: int, vocab_size: int, seq_len: int, attention_width: int,
+                  blocks: list[tuple[int, int, int]]) -> StageCosts:
+    """Costs of a decoder with untied embedding and output whose blocks may differ (dense, or a
+    mixture of experts): each block given as (parameters, parameters a token runs through: a MoE
+    block's attention, router, shared experts and top-k routed experts, its routed experts'
+    parameters). Attention adds 6 x sequence x `attention_width` (the query/key plus value widths
+    of all heads) per token."""
+    attention = 6 * seq_len * attention_width
+    return StageCosts(block=tuple(6 * active + attention for _, active, _ in blocks), embedding=2 * dim,
+                      head=6 * vocab_size * dim, block_params=tuple(total for total, _, _ in blocks),
+                      embedding_params=vocab_size * dim, head_params=vocab_size * dim + dim,
+                      block_expert_params=tuple(routed for _, _, routed in blocks))
 
 
 def balanced_split(costs: StageCosts, stages: int) -> tuple[int, ...]:

@@ -242,6 +242,15 @@ def _nbytes(val) -> int:
     return 0
 
 
+def saved_activation_bytes(saved: list, placeholders: list[fx.Node], inputs: list[GraphInput]) -> int:
+    """Bytes of what the forward saves for the backward, less the parameters and buffers it
+    saves as they are (the graph's own inputs: held once, in the parameter state, however many
+    micro-batches a pipeline stage holds; with activation checkpointing most of what a MoE block
+    saves is its expert weights)."""
+    state = {node for node, inp in zip(placeholders, inputs) if inp.kind in ("param", "buffer")}
+    return sum(_nbytes(v.meta.get("val")) for v in saved if v not in state)
+
+
 def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint_inputs: list[GraphInput],
                fw: fx.GraphModule, bw: fx.GraphModule, *, mutated: list[str], buffer_metric) -> RankRecord:
     by_fqn = {s.fqn: s for s in shards}
@@ -268,5 +277,5 @@ def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint
     # Every data- and tensor-parallel reduction is inside the backward graph (grad_reductions_owed {}).
     return RankRecord(rank=job.rank, coords=coords, params=params, forward_inputs=tuple(fw_inputs),
                       static_input_indices=tuple(i for i, inp in enumerate(fw_inputs) if inp.kind in ("param", "buffer")),
-                      saved_activations=n_saved, saved_bytes=sum(_nbytes(v.meta.get("val")) for v in fw_outputs[1:]),
+                      saved_activations=n_saved, saved_bytes=saved_activation_bytes(fw_outputs[1:], placeholders, fw_inputs),
                       backward_outputs=grads, buffers=buffers, mutated_buffers=tuple(mutated))

@@ -1,5 +1,6 @@
 """Eager PyTorch reference of a pipeline artifact: this rank's stages of the same model code
-(builder/models/decoder_stage.py), parallelized over tp and dp-shard as the build's trace does,
+(builder/models/decoder_stage.py), parallelized over tp, dp-shard and ep as the build's trace does
+(a MoE's dispatch over each stage's own ranks),
 run by PyTorch's own torch.distributed.pipelining (PipelineStage and the schedule class the
 artifact names), with autograd's backward, the schedule's own gradient scaling and torchtitan's
 clipping across stages. titan-verify compares a pipeline artifact against this.
@@ -8,6 +9,7 @@ clipping across stages. titan-verify compares a pipeline artifact against this.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch.distributed.pipelining import PipelineStage
@@ -17,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from titan.builder.models.decoder import ScaledTokenLoss
 from titan.builder.models.decoder_stage import DecoderStage
-from titan.builder.models.spec import ModelConfig, ModelSpec
+from titan.builder.models.spec import ModelConfig, ModelSpec, RankPlace
 from titan.builder.trace.parallelize import parallelize
 from titan.cli.tools.eager import _placement, materialize_shards
 from titan.runtime.contract.layout import Layout
@@ -41,6 +43,12 @@ class EagerPipeline:
         coords = layout.coordinates(rank)
         shards = parallelize(model, layout, mesh, coords, tp_plan=spec.tp_plan, expert_param=spec.expert_param,
                              compute_dtype=compute_dtype)
+        others = tuple(d for d in mesh.mesh_dim_names if d != "pp")
+        self.stage_mesh = mesh[others] if others else None
+        # A stage routes over its own ranks, as its trace does: the layout and mesh without pp
+        # (each stage's MoE blocks sum their own expert load).
+        spec.place_rank(model, RankPlace(layout=replace(layout, pp=1), mesh=self.stage_mesh, batch_size=batch_size,
+                                         seq_len=seq_len))
         n = schedule.n_stages
         held = [s for s in range(n) if schedule.stage_rank[s] == coords["pp"]]
         loss = ScaledTokenLoss(model.loss_scale)
@@ -49,14 +57,15 @@ class EagerPipeline:
         for module in self.stages.values():  # only this rank's stages get real weights
             materialize_shards(module, shards, spec.init_specs(cfg), seed=seed, device=device)
         self.named_params = [(fqn, p) for s in held for fqn, p in self.stages[s].named_parameters()]
+        self.named_buffers = [(fqn, b) for s in held for fqn, b in self.stages[s].named_buffers()]
         self.params = [p for _, p in self.named_params]
         placements = {shard.fqn: shard.placements for shard in shards}
         self.placements = [placements[fqn] for fqn, _ in self.named_params]
         self.first, self.last = 0 in held, n - 1 in held
         self.device, self.group = device, mesh.get_group("pp")
-        others = tuple(d for d in mesh.mesh_dim_names if d != "pp")
-        self.stage_mesh = mesh[others] if others else None
         torch_stages = [PipelineStage(self.stages[s], s, n, device, group=self.group) for s in held]
+        for stage in torch_stages:
+            _keep_buffers_through_shape_inference(stage)
         schedule_class = SCHEDULE_CLASSES[schedule.schedule]
         stages_arg = torch_stages[0] if schedule_class in SINGLE_STAGE else torch_stages
         self.schedule = schedule_class(stages_arg, n_microbatches=schedule.microbatches, loss_fn=loss)
@@ -93,3 +102,23 @@ class EagerPipeline:
         if max_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
         return norm
+
+
+def _keep_buffers_through_shape_inference(stage: PipelineStage) -> None:
+    """torch's PipelineStage learns the shapes it sends by running its module once, on
+    placeholder tensors, before the first micro-batch (its forward metadata inference). A MoE
+    block's forward updates its buffers in place (the balancing bias, the expert load), so that
+    run would count as a step of routing: the buffers are put back after it."""
+    assert hasattr(stage, "_prepare_forward_infra"), "this torch's PipelineStage infers shapes another way"
+    infer, module = stage._prepare_forward_infra, stage.submod
+
+    def prepare_forward_infra(*args, **kwargs):
+        kept = [b.clone() for b in module.buffers()]
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(module.buffers(), kept):
+                    buffer.copy_(value)
+
+    stage._prepare_forward_infra = prepare_forward_infra

@@ -73,12 +73,14 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
                                  device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
                                  micro_batches=recipe.micro_batches, capacity_factor=drop_capacity(m))
             named, eager_step, eager_pipeline_step = eager.model.named_parameters(), eager.step, None
+            named_buffers = eager.model.named_buffers()
         else:
             from titan.cli.tools.eager_pipeline import EagerPipeline
             eager = EagerPipeline(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
                                   device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
                                   schedule=m.pipeline.schedule)
             named, eager_step, eager_pipeline_step = eager.named_params, None, eager.step
+            named_buffers = eager.named_buffers
         # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors),
         # LR scheduler and clip_grad_norm_.
         eager_opt = torch.optim.AdamW(eager.params, lr=recipe.schedule.lr, foreach=False, **recipe.adamw)
@@ -96,6 +98,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
         eager_run = train_loop(eager_step, eager_opt, make_data(m, cfg, coords), update=eager_update,
                                validation=validation, log=eager_steps.append, pipeline_step=eager_pipeline_step, **kw)
         eager_params = {fqn: p.detach().cpu() for fqn, p in named}
+        eager_buffers = {fqn: b.detach().cpu() for fqn, b in named_buffers}
         del eager, eager_opt, scheduler, eager_update
         if device.type == "cuda":  # the eager model's blocks go back before the artifact's program takes its own
             import gc
@@ -123,8 +126,12 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
                                pipeline_step=pipeline_step(program, step), **kw)
     fqns = [p.fqn for p in art.rank_params(env.rank)]
     differ = sum(not torch.equal(eager_params[f], t.detach().cpu()) for f, t in zip(fqns, program.params))
+    # The model buffers the forward updates (a MoE's balancing bias and load): every one the artifact holds.
+    buffers = program.buffers.tensors
+    buffers_differ = sum(f not in eager_buffers or not torch.equal(eager_buffers[f], t.cpu()) for f, t in buffers.items())
     return Verdict(eager=eager_run, artifact=graph_run, device=device, params_differ=differ, params=len(fqns),
-                   eager_steps=eager_steps, artifact_steps=artifact_steps)
+                   buffers_differ=buffers_differ, buffers=len(buffers), eager_steps=eager_steps,
+                   artifact_steps=artifact_steps)
 
 
 @dataclass
@@ -136,6 +143,9 @@ class Verdict:
     device: torch.device
     params_differ: int
     params: int
+    buffers_differ: int = 0
+    buffers: int = 0
+    """Model buffers (runtime/buffer_state.py) on this rank, and how many differ after the last step."""
     eager_steps: list[dict] = field(default_factory=list)
     artifact_steps: list[dict] = field(default_factory=list)
     """Each step's record (loss, tokens_per_s, ...), as titan-run logs them: for the summary."""
@@ -146,12 +156,13 @@ class Verdict:
         return all(torch.equal(a, b) for a, b in pairs)
 
 
-def all_ranks_equal(verdict: Verdict) -> tuple[bool, int]:
+def all_ranks_equal(verdict: Verdict) -> tuple[bool, int, int, int]:
     """(bitwise equality of every rank's losses and gradient norms, parameter tensors that
-    differ on all ranks together)."""
+    differ, model buffers that differ, model buffers: on all ranks together)."""
     same = verdict.steps_equal()
-    if not dist.is_initialized():
-        return same, verdict.params_differ
-    flags = torch.tensor([0 if same else 1, verdict.params_differ], device=verdict.device)
-    dist.all_reduce(flags)
-    return int(flags[0]) == 0, int(flags[1])
+    counts = [0 if same else 1, verdict.params_differ, verdict.buffers_differ, verdict.buffers]
+    if dist.is_initialized():
+        flags = torch.tensor(counts, device=verdict.device)
+        dist.all_reduce(flags)
+        counts = [int(x) for x in flags]
+    return counts[0] == 0, counts[1], counts[2], counts[3]

@@ -11,7 +11,7 @@ from pathlib import Path
 from titan.runtime.contract.checks import ArtifactError
 from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.manifest import MANIFEST, Manifest, ProgramFiles
-from titan.runtime.contract.rank_record import ParamSpec, RankRecord, bind_program
+from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, RankRecord, bind_program
 from titan.runtime.common.safe_files import UnsafeFile, loads_json, read_regular
 
 MAX_FILE_BYTES = 1 << 30
@@ -147,6 +147,13 @@ class Artifact:
             return self.rank_record(rank).params
         return tuple(p for s in stages for p in self.rank_record(rank, stage=s).params)
 
+    def rank_buffers(self, rank: int) -> tuple[BufferSpec, ...]:
+        """The model buffers `rank` holds: its program's, or its pipeline stages' one after another."""
+        stages = self.manifest.stages_of(rank)
+        if not stages:
+            return self.rank_record(rank).buffers
+        return tuple(b for s in stages for b in self.rank_record(rank, stage=s).buffers)
+
     def model_params(self, rank: int = 0) -> tuple[ParamSpec, ...]:
         """Every parameter of the model (a checkpoint's description lists them all, with their
         global shapes): `rank`'s own program holds a shard of each; with pipeline stages, each
@@ -156,6 +163,15 @@ class Artifact:
         schedule, per_block = self.manifest.pipeline.schedule, self.world_size // self.layout.pp
         return tuple(p for s in range(schedule.n_stages)
                      for p in self.rank_record(schedule.stage_rank[s] * per_block, stage=s).params)
+
+    def model_buffers(self, rank: int = 0) -> tuple[BufferSpec, ...]:
+        """Every model buffer (whole on every rank that holds one): `rank`'s program's, or with
+        pipeline stages each stage's."""
+        if self.manifest.pipeline is None:
+            return self.rank_record(rank).buffers
+        schedule, per_block = self.manifest.pipeline.schedule, self.world_size // self.layout.pp
+        return tuple(b for s in range(schedule.n_stages)
+                     for b in self.rank_record(schedule.stage_rank[s] * per_block, stage=s).buffers)
 
 
 def open_artifact(path: str | os.PathLike, *, check_torch: bool = True) -> Artifact:

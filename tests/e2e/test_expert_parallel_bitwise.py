@@ -128,7 +128,7 @@ def test_titan_show_and_diff_name_each_ranks_experts(deepseek_artifact):
     assert "expert placement: routed experts 4..7 of 8 on this rank (ep coordinate 1 of 2" in r.stdout
     # Dropless: each rank may send one peer all its tokens' assignments to that peer's experts.
     tokens = BATCH * SEQ
-    assert (f"model plan: moe_layers ['1', '2'], routed_experts 8, ep 2, experts_per_rank 4, top_k 3, "
+    assert (f"model plan: moe_layers ['layers.1', 'layers.2'], routed_experts 8, ep 2, experts_per_rank 4, top_k 3, "
             f"tokens_per_rank {tokens}, capacity {tokens * 3}, buffer_rows {tokens * 3 * 2}, dropless True") in r.stdout
     # Ranks 0 and 1 differ only in ep: the same FSDP shard of everything, other experts.
     r = titan("diff", art, "--ranks", 0, 1)

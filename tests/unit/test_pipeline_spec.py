@@ -25,8 +25,12 @@ FOUR_LAYERS = DEBUG | dict(shape={"n_layers": 4})
     (dict(pp=2, pp_schedule="interleaved-1f1b", microbatches=5, shape={"n_layers": 4}),
      "--pp-schedule interleaved-1f1b runs micro-batches in rounds of about --pp: --microbatches 5 is not a multiple "
      "of its 2 rounds; use a multiple of --pp"),
-    (dict(pp=2, model="deepseek_v3"), "--pp 2: pipeline stages are built for llama3 so far; build deepseek_v3 with "
-                                      "--pp 1"),
+    (dict(pp=2, model="qwen3"), "--pp 2: this qwen3 flavor ties its output projection to the embedding, one "
+                                "weight the first and the last stage would share (not built); use an untied flavor "
+                                "(8B, 14B, 32B, debug-moe, 30B-A3B, 235B-A22B) or --pp 1"),
+    (dict(pp=2, model="deepseek_v3", ep=2, moe_capacity=1.25),
+     "--moe-capacity with --pp: pipeline stages are built with the dropless dispatch only so far (no bounded "
+     "program, no redo); drop --moe-capacity or use --pp 1"),
     (dict(pp=2, microbatches=1), "--pp-schedule 1f1b needs --microbatches >= --pp (1 < 2): its warm-up fills every "
                                  "stage; raise --microbatches or use --pp-schedule gpipe"),
     (dict(pp=2, pp_schedule="zb-h1"), "unknown --pp-schedule 'zb-h1'; use one of gpipe, 1f1b, interleaved-1f1b, zbv"),
@@ -76,3 +80,19 @@ def test_a_pipelines_schedule_micro_batches_and_split_are_in_its_key_and_name():
     assert build_factors(zbv)["pipeline"] != build_factors(interleaved)["pipeline"]
     assert build_factors(interleaved)["pipeline"]["stages per rank"] == 2
     assert interleaved.pipeline.schedule_record().stage_rank == (0, 1, 0, 1)
+
+
+def test_a_deepseek_pipeline_splits_dense_then_moe_blocks_by_what_a_token_runs_through():
+    spec = make_spec(**(DEBUG | dict(model="deepseek_v3", pp=2, ep=2)))
+    assert spec.pipeline.stage_layers == (2, 1) and spec.name == "deepseek_v3-debug-pp2-ep2-1f1b-mb2"
+    from titan.builder.models.deepseek_v3.config import FLAVORS
+    from titan.builder.models.deepseek_v3.stage_costs import stage_costs
+    cfg = FLAVORS["671B"]
+    costs = stage_costs(cfg, 4096)
+    # A MoE block costs its top 8 routed experts and its shared one, not its 256: as much as a dense
+    # block (18432 = 9 x 2048 hidden), plus the router.
+    assert costs.block[3] - costs.block[2] == 6 * cfg.n_routed_experts * cfg.dim
+    # Its parameters count every expert, and which of them are routed (split over ep, not tp).
+    assert costs.block_params[3] - costs.block_expert_params[3] == cfg.attention_params + cfg.feed_forward_params(
+        moe=True, experts=0)
+    assert sum(costs.block_params) + costs.embedding_params + costs.head_params == cfg.n_params

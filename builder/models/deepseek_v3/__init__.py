@@ -1,5 +1,5 @@
 """DeepSeek-V3 (multi-head latent attention, a mixture of experts with expert parallelism):
-shapes (config.py), module code (model.py, moe.py), parameter init (init.py), tensor-parallel plan (tp_plan.py) and transformers' names (hf_names.py), behind
+shapes (config.py), module code (model.py, moe.py), parameter init (init.py), tensor-parallel plan (tp_plan.py), transformers' names (hf_names.py) and pipeline stage costs (stage_costs.py), behind
 one ModelSpec. The token dispatch and the expert layout are builder/models/moe's, shared with
 Qwen3. Importing this imports no torch.
 """
@@ -10,6 +10,7 @@ from titan.builder.models.spec import require_divides
 from titan.builder.models.deepseek_v3.config import FLAVORS, DeepSeekV3Config, check_shape
 from titan.builder.models.deepseek_v3.hf_names import hf_checkpoint
 from titan.builder.models.deepseek_v3.init import init_specs
+from titan.builder.models.deepseek_v3.stage_costs import stage_costs
 from titan.builder.models.moe import buffer_metric, check_expert_tp, is_expert_param
 from titan.builder.models.spec import ModelSpec, lazy
 from titan.runtime.contract.layout import Layout
@@ -58,4 +59,5 @@ SPEC = ModelSpec(
     # the parameters left eager's bits after the first step; without them every step is bitwise.
     exact_fusion=False,
     hf_checkpoint=hf_checkpoint,
+    stage_costs=stage_costs,
 )

@@ -88,18 +88,28 @@ class DeepSeekV3Config:
         return scale
 
     @property
-    def n_params(self) -> int:
-        """Parameters of the whole model, every routed expert counted."""
+    def attention_params(self) -> int:
+        """One block's attention and its two norms."""
         q = (self.dim * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.n_heads * self.qk_head_dim
              if self.q_lora_rank else self.dim * self.n_heads * self.qk_head_dim)
-        attention = (q + self.dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-                     + self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
-                     + self.n_heads * self.v_head_dim * self.dim + 2 * self.dim)
-        dense = 3 * self.dim * self.dense_hidden
-        moe = (self.n_routed_experts * self.dim
-               + 3 * self.dim * self.moe_hidden * (self.n_routed_experts + self.n_shared_experts))
-        return (2 * self.vocab_size * self.dim + self.dim + self.n_layers * attention
-                + self.n_dense_layers * dense + self.n_moe_layers * moe)
+        return (q + self.dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+                + self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+                + self.n_heads * self.v_head_dim * self.dim + 2 * self.dim)
+
+    def feed_forward_params(self, *, moe: bool, experts: int | None = None) -> int:
+        """A dense block's feed-forward, or a MoE block's router, shared experts and `experts`
+        routed ones (default: all of them)."""
+        if not moe:
+            return 3 * self.dim * self.dense_hidden
+        experts = self.n_routed_experts if experts is None else experts
+        return self.n_routed_experts * self.dim + 3 * self.dim * self.moe_hidden * (experts + self.n_shared_experts)
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the whole model, every routed expert counted."""
+        return (2 * self.vocab_size * self.dim + self.dim + self.n_layers * self.attention_params
+                + self.n_dense_layers * self.feed_forward_params(moe=False)
+                + self.n_moe_layers * self.feed_forward_params(moe=True))
 
     def as_dict(self) -> dict:
         return without_default_etp(dataclasses.asdict(self))

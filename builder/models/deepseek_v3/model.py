@@ -101,6 +101,9 @@ class DeepSeekV3(Decoder):
     def __init__(self, cfg: DeepSeekV3Config):
         super().__init__(cfg, [transformer_block(cfg, i) for i in range(cfg.n_layers)])
 
+    def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(seq_len, self.cfg, device)
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_tables(tokens.shape[1], self.cfg, tokens.device)
+        cos, sin = self.rope(tokens.shape[1], tokens.device)
         return decoder_loss(self, tokens, labels, cos, sin)

@@ -11,6 +11,7 @@ from titan.builder.models.llama3.init import init_specs
 from titan.builder.models.llama3.layout_fit import check_layout
 from titan.builder.models.llama3.regions import region_kind
 from titan.builder.models.spec import ModelSpec, lazy
+from titan.builder.spec.stage_split import dense_decoder_costs
 
 SPEC = ModelSpec(
     name="llama3",
@@ -22,4 +23,5 @@ SPEC = ModelSpec(
     check_layout=check_layout,
     region_kind=region_kind,
     hf_checkpoint=hf_checkpoint,
+    stage_costs=dense_decoder_costs,
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from titan.builder.models.decoder import Decoder, DecoderBlock, GroupedQueryAttention, SwiGLU, decoder_loss, rope_tables
+from titan.builder.models.decoder import Decoder, DecoderBlock, GroupedQueryAttention, SwiGLU, decoder_loss
 from titan.builder.models.llama3.config import LlamaConfig
 
 
@@ -27,5 +27,5 @@ class Llama3(Decoder):
         super().__init__(cfg, [transformer_block(cfg) for _ in range(cfg.n_layers)])
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        cos, sin = self.rope(tokens.shape[1], tokens.device)
         return decoder_loss(self, tokens, labels, cos, sin)

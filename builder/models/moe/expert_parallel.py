@@ -42,12 +42,16 @@ def set_dispatch(model: nn.Module, *, tokens: int, ep: int = 1, ep_group: dist.P
     return plan
 
 
-def place_rank(model: nn.Module, place: RankPlace) -> dict:
+def place_rank(model: nn.Module, place: RankPlace) -> dict | None:
     """The ModelSpec hook: every rank routes its own tokens (its sequence shard under tp), sends
     them to the experts' ranks over `ep` and sums the expert load over every mesh dimension (all
-    ranks route distinct tokens). Under expert tensor parallelism (the config's `etp` > 1) the
-    tp ranks route the whole sequence alike, so the load is summed over every dimension but tp.
-    Returns the dispatch plan, the same on every rank."""
+    ranks route distinct tokens; a pipeline stage's mesh has no pp dimension: each stage sums its
+    own layers' load). Under expert tensor parallelism (the config's `etp` > 1) the tp ranks route
+    the whole sequence alike, so the load is summed over every dimension but tp. Returns the
+    dispatch plan, the same on every rank; None for a pipeline stage that holds no MoE block
+    (DeepSeek-V3's dense first blocks)."""
+    if not model.moe_layers():
+        return None
     layout, mesh = place.layout, place.mesh
     names = mesh.mesh_dim_names if mesh is not None else ()
     expert_tp = getattr(model.cfg, "etp", 1) > 1
@@ -60,7 +64,9 @@ def place_rank(model: nn.Module, place: RankPlace) -> dict:
     # The capacity factor and expert TP only when set: other builds' records stay what they were.
     factor = {} if place.capacity_factor is None else {"capacity_factor": place.capacity_factor}
     etp = {"expert_tp": layout.tp} if expert_tp else {}
-    return {"moe_layers": [i for i, block in model.layers.items() if block.moe],
+    # Named as blocks (`layers.4`): a pipeline stage's programs relabeled to another stage's
+    # blocks (builder/program/stage_relabel.py) then name that stage's MoE blocks.
+    return {"moe_layers": [f"layers.{i}" for i, block in model.layers.items() if block.moe],
             "routed_experts": plan.n_experts, "ep": plan.ep, "experts_per_rank": plan.experts_per_rank,
             "top_k": plan.top_k, "tokens_per_rank": plan.tokens, "capacity": plan.capacity,
             "buffer_rows": plan.buffer_rows, "dropless": plan.dropless, **factor, **etp}

@@ -8,7 +8,7 @@ the token dispatch and the expert layout builder/models/moe's. Importing this im
 from __future__ import annotations
 
 from titan.builder.models.moe import buffer_metric, is_expert_param
-from titan.builder.models.qwen3.config import FLAVORS, check_shape
+from titan.builder.models.qwen3.config import FLAVORS, check_shape, stage_costs
 from titan.builder.models.qwen3.hf_names import hf_checkpoint
 from titan.builder.models.qwen3.init import init_specs
 from titan.builder.models.qwen3.layout_fit import check_layout
@@ -34,4 +34,5 @@ SPEC = ModelSpec(
     exact_fusion=False,
     hf_checkpoint=hf_checkpoint,
     check_shape=check_shape,
+    stage_costs=stage_costs,
 )

@@ -10,6 +10,7 @@ from titan.builder.models.attention import without_default_attention
 from titan.builder.models.moe import without_default_etp
 from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
+from titan.builder.spec.stage_split import StageCosts, decoder_costs
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -63,13 +64,22 @@ class Qwen3Config:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
 
     @property
+    def attention_params(self) -> int:
+        """One block's attention (with its query/key norms) and its two norms."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.dim * q + 2 * self.dim * kv + q * self.dim + 2 * self.head_dim + 2 * self.dim
+
+    def feed_forward_params(self, layer: int, *, experts: int | None = None) -> int:
+        """Block `layer`'s dense feed-forward, or its router and `experts` routed experts (default: all)."""
+        if not self.is_moe_layer(layer):
+            return 3 * self.dim * self.ffn_hidden
+        experts = self.n_experts if experts is None else experts
+        return self.n_experts * self.dim + 3 * self.dim * self.moe_hidden * experts
+
+    @property
     def n_params(self) -> int:
         """Parameters of the whole model (every routed expert counted; a tied output once)."""
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        attention = self.dim * q + 2 * self.dim * kv + q * self.dim + 2 * self.head_dim + 2 * self.dim
-        dense = 3 * self.dim * self.ffn_hidden
-        moe = self.n_experts * self.dim + 3 * self.dim * self.moe_hidden * self.n_experts
-        blocks = sum(attention + (moe if self.is_moe_layer(i) else dense) for i in range(self.n_layers))
+        blocks = sum(self.attention_params + self.feed_forward_params(i) for i in range(self.n_layers))
         return (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim + blocks + self.dim
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -137,3 +147,14 @@ FLAVORS = Flavors(default="8B", shapes={
     "235B-A22B": Qwen3Config(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_hidden=12288,
                              tie_embeddings=False, n_experts=128, top_k=8, moe_hidden=1536, **_QWEN3, **_MOE),
 })
+
+
+def stage_costs(cfg: Qwen3Config, seq_len: int) -> StageCosts:
+    """Pipeline stage costs (builder/spec/stage_split.py): a MoE block costs its attention, router
+    and top_k routed experts. Only untied flavors are split (layout_fit.py)."""
+    blocks = [(cfg.attention_params + cfg.feed_forward_params(i),
+               cfg.attention_params + cfg.feed_forward_params(i, experts=cfg.top_k),
+               3 * cfg.dim * cfg.moe_hidden * cfg.n_experts if cfg.is_moe_layer(i) else 0)
+              for i in range(cfg.n_layers)]
+    return decoder_costs(dim=cfg.dim, vocab_size=cfg.vocab_size, seq_len=seq_len,
+                         attention_width=2 * cfg.n_heads * cfg.head_dim, blocks=blocks)

@@ -14,6 +14,10 @@ def check_layout(cfg: Qwen3Config, layout: Layout) -> None:
     one shard); --ep splits the routed experts of a mixture-of-experts flavor. FSDP pads uneven
     shards of dense weights (runtime/contract/shards.py); the stacked experts are cut on the
     expert dimension, which --dp-shard must divide (each rank holds whole experts)."""
+    if layout.pp > 1 and cfg.tie_embeddings:
+        raise ValueError(f"--pp {layout.pp}: this qwen3 flavor ties its output projection to the embedding, one "
+                         "weight the first and the last stage would share (not built); use an untied flavor "
+                         "(8B, 14B, 32B, debug-moe, 30B-A3B, 235B-A22B) or --pp 1")
     dense_hidden = any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     require_divides("tp", layout.tp, {"attention heads": cfg.n_heads, "key/value heads": cfg.n_kv_heads,
                                       "vocabulary size": cfg.vocab_size,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan.builder.models.decoder import Decoder, DecoderBlock, GroupedQueryAttention, SwiGLU, decoder_loss, rope_tables
+from titan.builder.models.decoder import Decoder, DecoderBlock, GroupedQueryAttention, SwiGLU, decoder_loss
 from titan.builder.models.qwen3.config import Qwen3Config
 from titan.builder.models.qwen3.moe import MoE
 
@@ -33,5 +33,5 @@ class Qwen3(Decoder):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_tables(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        cos, sin = self.rope(tokens.shape[1], tokens.device)
         return decoder_loss(self, tokens, labels, cos, sin)
