@@ -33,13 +33,37 @@ def test_fit_refuses_values_that_are_not_one_repeated_block(values):
         fit(_samples(*values), "value")
 
 
-def test_trace_tasks_keep_both_workers_busy_and_a_rank_whole_when_workers_suffice():
+def _planned_loads(tasks, jobs: int) -> list[int]:
+    """Each worker's layers when the pool runs `tasks` in order, each on the first free worker."""
+    loads = [0] * jobs
+    for _, depths in tasks:
+        loads[loads.index(min(loads))] += sum(depths)
+    return loads
+
+
+@pytest.mark.parametrize("todo", [{0: (3, 4, 5, 6), 1: (3, 4, 5), 3: (3, 4, 5)},  # 8B --tp 4
+                                  {0: (3, 4, 5, 6), 1: (3, 4, 5), 8: (3, 4, 5), 1023: (3, 4, 5)},  # 405B
+                                  {0: (6, 7, 8, 9), 1: (6, 7, 8), 2: (6, 7, 8), 3: (6, 7, 8), 4: (6, 7, 8)}],
+                         ids=["8B", "405B", "671B"])
+def test_trace_tasks_keep_both_workers_busy_in_few_processes(todo):
+    from titan.builder.trace.pool import trace_tasks
+
+    tasks = trace_tasks(todo, jobs=2)
+    # Every depth of every rank once; a task is one rank's depths, shortest first.
+    assert sorted((r, d) for r, depths in tasks for d in depths) == sorted(
+        (r, d) for r, depths in todo.items() for d in depths)
+    assert all(list(depths) == sorted(depths) for _, depths in tasks)
+    # The workers finish together (within the shortest depth), in one process per rank or so.
+    loads = _planned_loads(tasks, jobs=2)
+    assert max(loads) - min(loads) <= min(d for depths in todo.values() for d in depths)
+    assert len(tasks) <= len(todo) + 1 < sum(len(depths) for depths in todo.values())
+
+
+def test_trace_tasks_keep_a_rank_whole_when_workers_suffice():
     from titan.builder.trace.pool import trace_tasks
 
     todo = {0: (3, 4, 5, 6), 1: (3, 4, 5), 3: (3, 4, 5)}
-    split = trace_tasks(todo, jobs=2)
-    assert sorted(split) == sorted((r, (d,)) for r, depths in todo.items() for d in depths)
-    assert [d for _, (d,) in split] == sorted((d for depths in todo.values() for d in depths), reverse=True)
-    whole = trace_tasks(todo, jobs=4)
-    assert whole == [(0, (3, 4, 5, 6)), (1, (3, 4, 5)), (3, (3, 4, 5))]
+    assert trace_tasks(todo, jobs=4) == [(0, (3, 4, 5, 6)), (1, (3, 4, 5)), (3, (3, 4, 5))]
+    assert trace_tasks(todo, jobs=1) == [(0, (3, 4, 5, 6)), (1, (3, 4, 5)), (3, (3, 4, 5))]
+    assert trace_tasks({0: (None,), 1: (None,), 3: (None,)}, jobs=2) == [(0, (None,)), (1, (None,)), (3, (None,))]
     assert trace_tasks({2: (None,)}, jobs=1) == [(2, (None,))]
