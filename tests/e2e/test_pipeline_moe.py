@@ -63,6 +63,13 @@ def test_a_zero_bubble_deepseek_pipeline_with_expert_parallel_trains_bitwise_as_
 
 
 @pytest.mark.slow
+def test_a_checkpointed_deepseek_stage_recomputes_from_the_bias_its_forward_read(tmp_path):
+    # --ac full saves the balancing bias itself for the backward's recomputation, and stage 0
+    # runs two micro-batches' forwards (each moving the bias) before the first one's backward.
+    _verify_and_run(_build(tmp_path / "art", *ONE_F_ONE_B, "--ac", "full"), tmp_path, buffers=12)
+
+
+@pytest.mark.slow
 def test_a_deepseek_pipeline_resumes_bitwise_with_every_stages_buffers_and_exports_them(pp2_ep2, tmp_path):
     whole, first, rest = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "rest"))
     ckpt = tmp_path / "ckpt"
