@@ -119,18 +119,15 @@ def synthetic_loader(vocab_size: int, microbatches: int = 1):
 
     class SyntheticLoader(BaseDataLoader):
         def __init__(self, *, dp_rank: int, dp_degree: int, local_batch_size: int, seq_len: int) -> None:
+            batch_size = local_batch_size // microbatches  # titan's micro-batch
             data = os.environ.get("TITAN_BENCH_DATA")
             if data:
                 from titan.runtime.data import TokenFile
-                self.tokens = TokenFile(data, dtype=None, vocab_size=vocab_size, batch_size=local_batch_size,
+                self.tokens = TokenFile(data, dtype=None, vocab_size=vocab_size, batch_size=batch_size,
                                         seq_len=seq_len, dp_rank=dp_rank, dp_degree=dp_degree)
             else:
-                self.tokens = SyntheticTokens(vocab_size=vocab_size, batch_size=local_batch_size, seq_len=seq_len,
+                self.tokens = SyntheticTokens(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
                                               seed=0, dp_rank=dp_rank)
-
-        def __init__(self, *, dp_rank: int, local_batch_size: int, seq_len: int) -> None:
-            self.tokens = SyntheticTokens(vocab_size=vocab_size, batch_size=local_batch_size // microbatches,
-                                          seq_len=seq_len, seed=0, dp_rank=dp_rank)
 
         def __iter__(self):
             step = 0
