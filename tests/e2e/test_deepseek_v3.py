@@ -15,7 +15,8 @@ from deepseek_debug import BATCH, CFG, SEQ, debug_batch, debug_weights, run_ep_r
 from titan.builder.models.moe import is_expert_param
 
 
-@pytest.mark.parametrize("world,ep,ac", [(2, 2, "none"), (4, 2, "full")], ids=["ep2", "dp2xep2-ac-full"])
+@pytest.mark.parametrize("world,ep,ac", [(2, 2, "none"), pytest.param(4, 2, "full", marks=pytest.mark.slow)],
+                         ids=["ep2", "dp2xep2-ac-full"])
 def test_expert_parallel_step_matches_single_rank_and_its_graphs_match_eager(tmp_path, world, ep, ac):
     """ep=2 (each rank: half the batch, half the experts) and data parallel 2 x ep=2 (each rank
     a quarter of the batch, half the experts, replicated twice) against one rank with everything;

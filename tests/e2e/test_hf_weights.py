@@ -92,7 +92,8 @@ def _hf_tensors(path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("layout, source, dtype", [(dict(tp=2), "fp32", "fp32"), (dict(dp_shard=3), "bf16", "bf16")],
+@pytest.mark.parametrize("layout, source, dtype", [(dict(tp=2), "fp32", "fp32"),
+                                                   pytest.param(dict(dp_shard=3), "bf16", "bf16", marks=pytest.mark.slow)],
                          ids=["tp2-fp32", "dp_shard3-bf16-sharded"])
 def test_export_round_trip_is_bit_exact(layout, source, dtype, hf_dir, debug_artifact, tmp_path):
     """HF -> titan-run --init-from-hf --steps 0 (checkpoints the loaded weights, trains nothing)

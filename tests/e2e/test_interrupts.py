@@ -187,6 +187,7 @@ def test_ctrl_c_at_any_instant_of_a_build(debug_artifact, tmp_path):
     assert titan("cache", "verify", env=warm_env).returncode == 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_instant_of_a_run(debug_artifact, tmp_path):
     art = debug_artifact(tp=2)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -298,7 +299,8 @@ BUILD_PHASES = {
 }
 
 
-@pytest.mark.parametrize("how", STOPS)
+# Ctrl-C in the default tier; the other signals join the long one (CI time).
+@pytest.mark.parametrize("how", [h if h == "ctrl-c" else pytest.param(h, marks=pytest.mark.slow) for h in STOPS])
 def test_each_stop_in_each_phase_of_a_build_leaves_nothing(how, tmp_path):
     """SIGINT and SIGTERM leave nothing at all. SIGKILL runs nothing in the build: its processes
     die with it, and the temps it was writing are removed by the next build that writes there
@@ -340,7 +342,8 @@ RUN_PHASES = {
 }
 
 
-@pytest.mark.parametrize("how", STOPS)
+# Ctrl-C in the default tier; the other signals join the long one (CI time).
+@pytest.mark.parametrize("how", [h if h == "ctrl-c" else pytest.param(h, marks=pytest.mark.slow) for h in STOPS])
 def test_each_stop_in_each_phase_of_a_run_leaves_nothing(how, debug_artifact, tmp_path):
     """SIGINT and SIGTERM leave no process and no partial checkpoint. After SIGKILL the ranks die
     with the launcher, and the next save in that checkpoint directory removes the partial one."""

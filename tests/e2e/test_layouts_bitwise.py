@@ -66,6 +66,7 @@ def test_hsdp_losses_equal_eager(debug_artifact, tmp_path):
     assert "bitwise equal: yes" in r.stdout
 
 
+@pytest.mark.slow
 def test_token_file_data_equal_eager(debug_artifact, tmp_path):
     art = debug_artifact(dp_shard=2)
     tokens = torch.randint(0, 2048, (4096,), generator=torch.Generator().manual_seed(1)).to(torch.int32)

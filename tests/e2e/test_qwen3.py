@@ -177,7 +177,7 @@ def test_checkpoint_holds_what_the_record_names(hf_checkpoints):
         assert ("lm_head.weight" in on_disk) == (not cfg.tie_embeddings)
 
 
-@pytest.mark.parametrize("name", ["dense-tp2-dp_shard2", "moe-ep2"])
+@pytest.mark.parametrize("name", [pytest.param("dense-tp2-dp_shard2", marks=pytest.mark.slow), "moe-ep2"])
 def test_hf_round_trip_is_bit_exact_and_the_first_step_matches(name, hf_checkpoints, qwen3_artifact, tmp_path):
     """transformers checkpoint -> `titan-run --init-from-hf --steps 0 --checkpoint-dir` (every rank
     reads its shard: tp x FSDP boxes of the tied embedding, or its half of the experts) ->
