@@ -8,12 +8,11 @@
 # after another. Printed: one line per run as it ends, then the table (minimum / median / maximum
 # of wall and of CPU seconds, user + system of titan-build and the processes it waited for).
 #
-# Why the load and the "probe" columns: on a shared machine the CPU seconds of the same build
-# are not constant (2026-11-27, the same commit: 25 CPU s on an idle machine, 80 at a load of
-# 11; its processes run slower per CPU second, not more code). Before each run the script times
-# a fixed piece of Python (the probe; 2.5-3.0 CPU s at a load of 21 on 2026-11-27): a probe
-# above what it takes on the idle machine says the run's figures are inflated by other work.
-# Read the wall figures from runs whose probe and load were low.
+# Why the load and the "probe" columns: on this shared machine the CPU seconds of the same build
+# are not constant (2026-11-27, the same commit: 25 CPU s on the idle machine of 2026-11-25, 80
+# at a load of 11, 50 nearly idle; docs/performance.md#builds). Before each run the script times
+# a fixed piece of Python (the probe; 1.9-3.0 CPU s at loads of 0.5-21 on 2026-11-27), to
+# compare sessions. Read the wall figures from runs with a low load.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 RUNS=${RUNS:-3}

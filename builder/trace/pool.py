@@ -129,8 +129,8 @@ def trace_tasks(todo: dict[int, tuple[int | None, ...]], jobs: int) -> list[tupl
     layers. Ranks longest first each go to the least loaded worker, as many of their depths
     (longest first) as fit under an even share of the whole; the rest go on to the next least
     loaded one. Tasks start in their planned start order; a task's depths are traced shortest
-    first, as with one task per rank. (A rank is never split across a process with another:
-    rank_trace.py says why.) 8B --tp 4 on two workers: 4 processes instead of 10."""
+    first, as with one task per rank. (A process never traces two ranks: rank_trace.py says
+    why.) 8B --tp 4 on two workers: 4 processes instead of 10."""
     if len(todo) <= jobs:
         tasks = [(r, depths) for r, depths in todo.items()]
         return sorted(tasks, key=lambda t: -_cost(t[1]))
