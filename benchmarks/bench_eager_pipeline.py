@@ -24,21 +24,15 @@ def eager_pipeline_worker(mode: str, flavor: str, layout_name: str, batch: int, 
     from titan.runtime.data import SyntheticTokens
 
     from bench_pipeline import bench_pipeline
-    from bench_worker import StepRecord
+    from bench_worker import StepRecord, join_ranks
     from profile_steps import step_profiler_from_env
     from train_bench import LAYOUTS
 
     if mode != "eager":
         raise SystemExit(f"error: {mode} does not run pipeline layouts (eager does: titan's model under "
                          "torch.distributed.pipelining; ref-compile and tt-compile are the compiled peers)")
-    rank = int(os.environ["RANK"])
-    on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check this script
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    rank, device = join_ranks()
+    on_gpu = device.type == "cuda"  # CPU (gloo) only to check this script
     spec = model_spec("llama3")
     cfg = spec.flavors[flavor]
     layout = Layout(**LAYOUTS[layout_name])

@@ -1,5 +1,5 @@
 """What every benchmark worker shares (train_bench.py's own and the peer rows'): its command
-line, and what it records.
+line, how its ranks join, and what it records.
 
 A worker times its steps itself (the device synchronized before and after each), and rank 0
 writes one JSON file: step times, reported losses, seconds from the launch of the rank processes
@@ -63,3 +63,19 @@ def worker_args(modes: list[str]) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=1,
                    help="pipeline layouts: micro-batches of --batch-size sequences per step (bench_pipeline.py)")
     return p.parse_args()
+
+
+def join_ranks():
+    """This rank's device and process group, as a row's ranks start: NCCL on the rank's GPU, or
+    gloo on the CPU (where a row only checks that its script runs). Returns (rank, device)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return rank, torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return rank, device

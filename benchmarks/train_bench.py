@@ -138,16 +138,9 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from titan.runtime.data import SyntheticTokens
     from titan.runtime.init import full_param
 
-    from bench_worker import StepRecord
+    from bench_worker import StepRecord, join_ranks
 
-    rank = int(os.environ["RANK"])
-    on_gpu = torch.cuda.is_available()  # CPU (gloo) only to smoke-test this script
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    rank, device = join_ranks()
     llama3 = model_spec("llama3")
     cfg = llama3.flavors[flavor]
     layout = Layout(**LAYOUTS[layout_name])
