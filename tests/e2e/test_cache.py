@@ -99,6 +99,7 @@ def test_killed_builder_leaves_nothing_trusted_and_rebuild_runs_as_before(tmp_pa
     assert losses[0] == losses[1]
 
 
+@pytest.mark.slow
 def test_flipped_byte_is_caught_by_verify_rebuild_and_runtime(tmp_path):
     cache = tmp_path / "cache"
     assert titan("build", *SINGLE, "--out", tmp_path / "a", env=_env(cache)).returncode == 0

@@ -13,6 +13,7 @@ from titan.runtime.contract.manifest import Manifest
 from titan.runtime.contract.rank_record import Bucket, GraphInput, ParamSpec, RankRecord
 
 
+@pytest.mark.slow
 def test_manifest_and_rank_records_read_back_what_titan_build_wrote(debug_artifact):
     root = debug_artifact(tp=2, dp_shard=2)
     written = json.loads((root / "manifest.json").read_text())

@@ -299,8 +299,9 @@ BUILD_PHASES = {
 }
 
 
-# Ctrl-C in the default tier; the other signals join the long one (CI time).
-@pytest.mark.parametrize("how", [h if h == "ctrl-c" else pytest.param(h, marks=pytest.mark.slow) for h in STOPS])
+# The run's Ctrl-C stays in the default tier; the rest join the long one (CI time).
+@pytest.mark.slow
+@pytest.mark.parametrize("how", STOPS)
 def test_each_stop_in_each_phase_of_a_build_leaves_nothing(how, tmp_path):
     """SIGINT and SIGTERM leave nothing at all. SIGKILL runs nothing in the build: its processes
     die with it, and the temps it was writing are removed by the next build that writes there

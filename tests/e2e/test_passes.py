@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import titan
 from titan.runtime.contract.artifact import open_artifact
 
@@ -17,6 +19,7 @@ def test_vocab_parallel_embedding_mask_uses_where_not_index_put(debug_artifact):
     assert len(wheres) == 2 and all(line.endswith("[tok_embeddings]") for line in wheres)
 
 
+@pytest.mark.slow
 def test_passes_are_listed_chosen_by_name_and_part_of_the_build(debug_artifact, tmp_path):
     listing = titan("build", "--list-passes")
     assert listing.returncode == 0

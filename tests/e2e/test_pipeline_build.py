@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from conftest import titan
 
 PLAN = ("--flavor", "debug", "--n-layers", "4", "--pp", "2", "--tp", "2", "--microbatches", "4")
 
 
+@pytest.mark.slow
 def test_the_plan_shows_the_split_memory_and_actions_and_writes_nothing(tmp_path):
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
     out = tmp_path / "art"

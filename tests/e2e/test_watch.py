@@ -85,6 +85,7 @@ def test_run_redraws_a_progress_bar_on_a_terminal(debug_artifact, tmp_path):
     assert frames[-1].endswith("ETA 0:00")
 
 
+@pytest.mark.slow
 def test_build_reports_rank_stages_as_lines_or_a_status_line(tmp_path):
     shape = ("--flavor", "debug", "--seq-len", 32)  # a shape no other test builds: a cache miss
     plain = titan("build", *shape, "--out", tmp_path / "a", "--cache-dir", tmp_path / "c1")
