@@ -15,7 +15,6 @@ import os
 def eager_pipeline_worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, steps: int, out: str,
                           *, max_norm: float, microbatches: int) -> None:
     import torch
-    import torch.distributed as dist
 
     from titan.builder.models import model_spec
     from titan.builder.spec.pipeline_order import pipeline_schedule
@@ -24,7 +23,7 @@ def eager_pipeline_worker(mode: str, flavor: str, layout_name: str, batch: int, 
     from titan.runtime.data import SyntheticTokens
 
     from bench_pipeline import bench_pipeline
-    from bench_worker import StepRecord, join_ranks
+    from bench_worker import StepRecord, global_loss, join_ranks, leave
     from profile_steps import step_profiler_from_env
     from train_bench import LAYOUTS
 
@@ -57,12 +56,7 @@ def eager_pipeline_worker(mode: str, flavor: str, layout_name: str, batch: int, 
         eager.clip_grad_norm(max_norm if max_norm > 0 else None)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if layout.dp_degree > 1:  # the mean loss over the global batch, as titan-run reports it
-            dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
-        record.stop(loss.item())
+        record.stop(global_loss(loss, layout, mesh).item())
         if on_step is not None:
             on_step(step + 1)
-    if rank == 0:
-        record.write(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(record, rank, out)

@@ -79,3 +79,24 @@ def join_ranks():
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     return rank, device
+
+
+def global_loss(loss, layout, mesh):
+    """A step's loss as titan-run reports it: the mean over the global batch (summed over the
+    data-parallel shards, each already divided by the global token count)."""
+    import torch.distributed as dist
+
+    reported = loss.detach().clone()
+    if layout.dp_degree > 1:
+        dist.all_reduce(reported, group=mesh["dp_shard"].get_group())
+    return reported
+
+
+def leave(record: "StepRecord", rank: int, out) -> None:
+    """A worker's end: rank 0 writes the row's record, then every rank leaves the process group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        record.write(out)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -138,7 +138,7 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
     from titan.runtime.data import SyntheticTokens
     from titan.runtime.init import full_param
 
-    from bench_worker import StepRecord, join_ranks
+    from bench_worker import StepRecord, global_loss, join_ranks, leave
 
     rank, device = join_ranks()
     llama3 = model_spec("llama3")
@@ -202,16 +202,10 @@ def worker(mode: str, flavor: str, layout_name: str, batch: int, seq_len: int, s
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        reported = loss.detach().clone()
-        if layout.dp_degree > 1:  # the mean loss over the global batch, as titan-run reports it
-            dist.all_reduce(reported, group=mesh["dp_shard"].get_group())
-        record.stop(reported.item())
+        record.stop(global_loss(loss, layout, mesh).item())
         if on_step is not None:
             on_step(step + 1)
-    if rank == 0:
-        record.write(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(record, rank, out)
 
 
 # --------------------------------------------------------------------------------------------

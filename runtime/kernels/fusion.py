@@ -272,16 +272,22 @@ def _region_call(compiled, name: str, layouts: list[dict]):
     """The graph's call of a region's kernels. A kernel plan reads its inputs in the layouts it
     was compiled for (`layouts`, the graph's record) without looking: an input that arrives in
     another layout (a producer whose real strides differ from the recorded ones) would be read
-    wrong, silently. So every call compares first (under a CUDA graph, once: at the capture)."""
+    wrong, silently. So the call compares them, once: each call site has its own call, and what
+    reaches a site (the same producers in the same graph) has the same layout at every step."""
     expected = [(tuple(v["shape"]), tuple(v["stride"]), getattr(torch, v["dtype"])) for v in layouts]
+    checked = False
 
     def call(*args):
+        nonlocal checked
+        if checked:  # the training step's hot path: one flag
+            return compiled(*args)
         for i, (t, (shape, stride, dtype)) in enumerate(zip(args, expected)):
             if t.shape != shape or t.dtype != dtype or any(
                     n > 1 and a != b for n, a, b in zip(shape, t.stride(), stride)):
                 raise RuntimeError(f"{name}: input {i} arrives as {tuple(t.shape)} {t.dtype} strides {t.stride()}, "
                                    f"but its kernels were compiled for {shape} {dtype} strides {stride}: the "
                                    "artifact's recorded layout is not what runs; please report it")
+        checked = True
         return compiled(*args)
     call.__name__ = call.__qualname__ = name
     return call
@@ -416,21 +422,20 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
         inputs, outputs = _boundary(run)
         # Identical regions are recognized by signature, before any graph is built for them.
         signature = (kind, _signature(run, inputs, outputs))
+        layouts = [_input_layout(a) for a in inputs]
         compiled = memo.get(signature)
         if compiled is not None:
             stats.reused += 1
         else:
             sub = _extract(run, inputs, outputs)
-            layouts = [_input_layout(a) for a in inputs]
-            compiled = _region_call(load_kernel(kernel_key(sub, layouts, kind, context),
-                                                lambda: compile_region(sub, layouts, kind, device), device,
-                                                sources, stats), f"{kind}_region", layouts)
+            compiled = load_kernel(kernel_key(sub, layouts, kind, context),
+                                   lambda: compile_region(sub, layouts, kind, device), device, sources, stats)
             memo[signature] = compiled
         stats.regions += 1
         stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
         graph = gm.graph
         with graph.inserting_before(run[0]):
-            call = graph.call_function(compiled, tuple(inputs))
+            call = graph.call_function(_region_call(compiled, f"{kind}_region", layouts), tuple(inputs))
             results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
         for old, new in zip(outputs, results):
             new.meta["titan_val"] = old.meta.get("titan_val")

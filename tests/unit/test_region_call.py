@@ -34,3 +34,13 @@ def test_an_input_in_another_layout_is_refused_before_any_kernel_reads_it(bad, w
     with pytest.raises(RuntimeError, match="input 0 arrives as") as e:
         _call()(bad, torch.zeros(2, 1, 4))
     assert words in str(e.value) and "compiled for (2, 3, 4) torch.float32 strides (12, 4, 1)" in str(e.value)
+
+
+def test_a_call_site_checks_its_first_call_only():
+    # What reaches one call site has one layout at every step: after the first call, no check.
+    call = _call()
+    call(torch.zeros(2, 3, 4), torch.zeros(2, 1, 4))
+    out = call(torch.zeros(2, 4, 3).transpose(1, 2), torch.zeros(2, 1, 4))
+    assert torch.equal(out[0], torch.ones(2, 3, 4))
+    with pytest.raises(RuntimeError, match="input 0 arrives as"):
+        _call()(torch.zeros(2, 4, 3).transpose(1, 2), torch.zeros(2, 1, 4))
