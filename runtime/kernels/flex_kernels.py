@@ -215,13 +215,24 @@ def prepare_flex(gm: fx.GraphModule, *, device: torch.device, sources, stats) ->
         stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
 
 
+_BY_CALL: dict[tuple, Callable] = {}
+"""(kind, device, every input's shape, stride and dtype) -> its loaded kernels: a step's calls
+find them without building the key (the layouts as JSON, hashed) at every call."""
+
+
 def _kernel_for(kind: str, inputs: list[torch.Tensor], documents: torch.Tensor | None) -> Callable:
     from titan.runtime.kernels.fusion import FusionStats, KernelSources
 
-    _checked_seq(inputs[0].shape[2])
-    layouts = call_layouts(kind, [_layout(t) for t in inputs], None if documents is None else _layout(documents))
-    sources = KernelSources(device=inputs[0].device, artifact_kernel=_ARTIFACT_KERNEL[0] if _ARTIFACT_KERNEL else None)
-    return _load(kind, layouts, inputs[0].device, sources, FusionStats())
+    tensors = [*inputs, *([documents] if documents is not None else [])]
+    call = (kind, inputs[0].device, *((tuple(t.shape), t.stride(), t.dtype) for t in tensors))
+    kernel = _BY_CALL.get(call)
+    if kernel is None:
+        _checked_seq(inputs[0].shape[2])
+        layouts = call_layouts(kind, [_layout(t) for t in inputs], None if documents is None else _layout(documents))
+        sources = KernelSources(device=inputs[0].device,
+                                artifact_kernel=_ARTIFACT_KERNEL[0] if _ARTIFACT_KERNEL else None)
+        kernel = _BY_CALL[call] = _load(kind, layouts, inputs[0].device, sources, FusionStats())
+    return kernel
 
 
 def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
