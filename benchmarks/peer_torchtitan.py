@@ -243,12 +243,8 @@ def register_spec(mode: str, flavor: str, microbatches: int = 1) -> None:
     flex = mode.endswith("-flex")
     args = model_args(flavor, flex=flex)
     tokenizer = (lambda job_config: SeparatorTokenizer(int(os.environ["TITAN_BENCH_EOS"]))) if flex else None
+    # The spec's own pipelining_fn stays: the tt rows of a pp layout run torchtitan's pipeline.
     spec = dataclasses.replace(spec, model_args={flavor: args}, build_tokenizer_fn=tokenizer,
-                               build_dataloader_fn=synthetic_loader(args.vocab_size), build_validator_fn=None,
-                               pipelining_fn=None, state_dict_adapter=None)
-
-    args = model_args(flavor)
-    spec = dataclasses.replace(spec, model_args={flavor: args}, build_tokenizer_fn=None,
                                build_dataloader_fn=synthetic_loader(args.vocab_size, microbatches),
                                build_validator_fn=None, state_dict_adapter=None)
     register_train_spec(SPEC_NAME, spec)

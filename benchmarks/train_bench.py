@@ -313,7 +313,8 @@ def run_mode(mode: str, layout: str, opts, tmp: Path, *, pipeline=None) -> dict:
         wall = _spawn([sys.executable, *worker, "--flavor", opts.flavor, "--layout", layout,
                        "--batch-size", str(opts.batch_size), "--seq-len", str(opts.seq_len),
                        "--steps", str(opts.steps), "--json", str(result_file), "--max-norm", str(opts.max_norm),
-                       "--microbatches", str(opts.microbatches)],
+                       # Only a pipeline row splits its step (plain_llama.py runs one GPU, no pipeline).
+                       *(["--microbatches", str(opts.microbatches)] if "pp" in LAYOUTS[layout] else [])],
                       world, env, tmp / f"{layout}-{mode}")
         res = json.loads(result_file.read_text())
     res["wall_s"] = wall

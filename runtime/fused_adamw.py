@@ -28,6 +28,8 @@ import torch
 from titan.runtime.optim import AdamW
 
 BLOCK = 2048
+NUM_WARPS = 8
+"""The launch shape (benchmarks/gpu/adamw_tune.py times the candidates; any gives the same bits)."""
 
 _kernel = None
 
@@ -115,7 +117,7 @@ class FusedAdamW(AdamW):
             n = p.numel()
             _kernel[((n + BLOCK - 1) // BLOCK,)](p, grad, exp_avg, exp_avg_sq, n, self.scalars, scale,
                                                  SCALE_GRAD=grad_scale is not None, BLOCK=BLOCK,
-                                                 num_warps=8, enable_fp_fusion=False)
+                                                 num_warps=NUM_WARPS, enable_fp_fusion=False)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -16,9 +16,12 @@ from titan.runtime.contract.artifact import ArtifactError
 from titan.runtime.contract.manifest import MANIFEST, Manifest
 
 
-def export_artifact(cache: Cache, entry: dict, out: Path) -> Manifest:
+def export_artifact(cache: Cache, entry: dict, out: Path, *, with_kernels: bool = False) -> Manifest:
     """Copy an entry's blobs into a self-contained artifact directory (written beside `out`,
-    then moved into place), so that it runs on a machine without the cache."""
+    then moved into place), so that it runs on a machine without the cache. The compiled kernels
+    the entry records go in only `with_kernels` (titan-build --kernels): a build without the flag
+    gets an artifact without kernels even where an earlier --kernels build of the same key
+    recorded some, as the user asked."""
     out = out.resolve()
     if out.exists() and not (out / MANIFEST).is_file():
         raise ArtifactError(f"{out} exists and is not a titan artifact; choose another --out")
@@ -49,7 +52,7 @@ def export_artifact(cache: Cache, entry: dict, out: Path) -> Manifest:
         # A bounded MoE build's dropless programs, which redo an overflowing step (builder/build.py).
         redo = {} if "redo_programs" not in entry else {
             "redo_programs": program_files(entry["redo_programs"]), "redo_rank_programs": entry["redo_rank_programs"]}
-        kernels = export_kernels(cache, entry.get("kernels", {}), tmp, files)
+        kernels = export_kernels(cache, entry.get("kernels", {}) if with_kernels else {}, tmp, files)
         # The build's fields (recorded in its cache entry) and this copy's files, checked as
         # the runtime will check them.
         manifest = Manifest.from_json(dict(entry["manifest"], name=out.name, cache_key=entry["key"], programs=programs,

@@ -164,6 +164,6 @@ def add_kernels(cache: Cache, key: str, out: Path, *, redo: dict | None = None,
             kernels, stats = compile_kernels_offline(cache, entry, manifest, target)
         entry = dict(entry, kernels=dict(entry.get("kernels", {}), **kernels))
         cache.put_entry(key, entry)
-        return export_artifact(cache, dict(entry, **(redo or {})), out), stats
+        return export_artifact(cache, dict(entry, **(redo or {})), out, with_kernels=True), stats
     finally:
         lock.release()

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow,
 
 def _kernels(art) -> dict[str, bytes]:
     manifest = json.loads((art / "manifest.json").read_text())
-    return {key: (art / rel).read_bytes() for key, rel in manifest["kernels"].items()}
+    return {key: (art / rel).read_bytes() for key, rel in manifest.get("kernels", {}).items()}
 
 
 def test_every_exact_region_becomes_a_checked_plan_and_two_builds_make_the_same_bytes(tmp_path):
@@ -45,6 +45,21 @@ def test_every_exact_region_becomes_a_checked_plan_and_two_builds_make_the_same_
     for data in one.values():
         plan = decode_plan(data)
         assert plan.launches and all(k.cubin.startswith(b"\x7fELF") for k in plan.kernels)
+
+
+def test_a_build_without_the_flag_gets_no_kernels_from_an_earlier_kernels_build_of_its_key(tmp_path):
+    """The cache entry records the kernels of a --kernels build; the same build without the flag
+    (a cache hit) still writes an artifact without them: the default flow compiles on the GPU."""
+    env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"), TITAN_KEY_FILE=str(tmp_path / "key" / "cache.key"))
+    with_kernels, without = tmp_path / "with", tmp_path / "without"
+    r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--kernels", "--gpu", "h100", "--out", with_kernels,
+              env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--out", without, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cache: hit" in r.stdout, r.stdout
+    assert _kernels(with_kernels) and _kernels(without) == {}
+    assert not (without / "kernels").exists()
 
 
 def test_flex_builds_carry_the_fused_attention_kernels_as_plans(tmp_path):
