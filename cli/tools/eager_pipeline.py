@@ -78,15 +78,15 @@ class EagerPipeline:
         tokens = torch.cat([t for t, _ in batches])
         labels = torch.cat([lb for _, lb in batches])
         losses: list[torch.Tensor] = []
-        target = {"target": labels, "losses": losses} if self.last else {}
+        keywords = {"target": labels, "losses": losses} if self.last else {}
         # Under the document mask every stage reads the micro-batch's tokens (DecoderStage's
         # `tokens`): the schedule splits keyword inputs into micro-batches and gives each stage its own.
         if self.reads_tokens:
-            target["tokens"] = tokens
+            keywords["tokens"] = tokens
         if self.first:
-            self.schedule.step(tokens, **target)
+            self.schedule.step(tokens, **keywords)
         else:
-            self.schedule.step(**target)
+            self.schedule.step(**keywords)
         return pipeline_loss(losses if self.last else None, device=self.device, group=self.group)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
