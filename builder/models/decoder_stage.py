@@ -3,7 +3,14 @@ the model, with its embedding on the first stage and its final norm and output p
 last. The forward takes what the stage receives (tokens on the first stage, activations on the
 others) and returns what it sends on (activations, or the last stage's logits): the module
 torch.distributed.pipelining's PipelineStage runs, and what titan traces into a stage program
-(the last stage with its labels, so with its loss)."""
+(the last stage with its labels, so with its loss).
+
+With the document mask (the config's mask 'document', issue 31) every block masks attention to
+each token's document, whose ids come from the micro-batch's tokens: a stage past the first,
+which receives activations, also takes the micro-batch's tokens (`tokens`) and computes the ids
+from them inside its step, as the whole model does (decoder.document_ids). Every pipeline rank
+reads the step's micro-batches from its loader anyway (the last stage its labels), so the
+boundaries are runtime data on every stage and nothing extra is sent between stages."""
 
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titan.builder.models.decoder import document_ids
 
 
 class DecoderStage(nn.Module):
@@ -30,15 +39,29 @@ class DecoderStage(nn.Module):
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(start, stop)})
         self.norm, self.output = (model.norm, model.output) if last else (None, None)
+        self.eos_id = model.cfg.eos_id if getattr(model.cfg, "mask", "causal") == "document" else None
+        """The token that ends each document (None: the causal mask, no document ids)."""
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether the forward takes the micro-batch's tokens besides the activations it receives
+        (a stage past the first, under the document mask)."""
+        return self.eos_id is not None and self.tok_embeddings is None
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         """Activations on; the last stage's logits, or with `labels` its loss (what a stage
-        program of the last stage computes)."""
+        program of the last stage computes). `tokens`: the micro-batch's tokens, where the
+        document mask needs them (reads_tokens; the first stage's `h` is its tokens)."""
+        documents = None
+        if self.eos_id is not None:
+            assert tokens is not None or self.tok_embeddings is not None, "the document mask needs the tokens"
+            documents = document_ids(h if self.tok_embeddings is not None else tokens, self.eos_id)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
         cos, sin = self.rope(self.seq_len or h.shape[1], h.device)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin) if documents is None else block(h, cos, sin, documents=documents)
         if self.output is None:
             return h
         logits = self.output(self.norm(h))

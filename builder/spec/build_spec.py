@@ -228,10 +228,6 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     if pipeline is not None and moe_capacity is not None:
         raise ValueError("--moe-capacity with --pp: pipeline stages are built with the dropless dispatch only so far "
                          "(no bounded program, no redo); drop --moe-capacity or use --pp 1")
-    if pipeline is not None and mask == "document":
-        # A stage past the first receives activations, not the tokens the document ids come from.
-        raise ValueError("--mask document with --pp: pipeline stages do not carry document ids yet; use --mask causal "
-                         "or --pp 1")
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac, pipeline=pipeline,
                      shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})),

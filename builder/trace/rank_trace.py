@@ -40,7 +40,7 @@ PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": defa
 def _desc_input(desc, data_kinds: tuple[str, ...]) -> GraphInput:
     """Describe a joint-graph placeholder from its AOT descriptor (kind "tangent": the
     backward's, which the partitioner leaves out of the forward's inputs); `data_kinds`: what the
-    traced module's positional inputs are (tokens and labels; a pipeline stage's differ)."""
+    traced module's data inputs are, in order (tokens and labels; a pipeline stage's differ)."""
     name = type(desc).__name__
     if name == "ParamAOTInput":
         return GraphInput(kind="param", fqn=desc.target)
@@ -146,13 +146,16 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     with fake_mode:
         model.to_empty(device="cpu")
         traced, examples, data_kinds = _traced_module(build, model)
+    # A stage's data after what it receives goes by keyword (its forward's optional `tokens`,
+    # `labels`); the export numbers the inputs in this order either way.
+    args, kwargs = (examples, {}) if build.stage is None else (examples[:1], dict(zip(data_kinds[1:], examples[1:])))
     with contextlib.ExitStack() as stack:
         stack.enter_context(module_provenance(traced))
         # Graph modules generate their Python code when it is first needed, not at each change
         # (the partitioner and the passes would generate it ~9 times per trace, and nothing here
         # runs them): ~10-14% of a trace (issue 30).
         stack.enter_context(_use_lazy_graph_module(True))
-        joint = aot_export_joint_with_descriptors(stack, traced, examples)
+        joint = aot_export_joint_with_descriptors(stack, traced, args, kwargs)
         t_export = time.perf_counter()
         report(rank, "partitioning")
         gm = joint.graph_module
@@ -191,8 +194,9 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
 def _traced_module(build, model: torch.nn.Module) -> tuple[torch.nn.Module, tuple, tuple[str, ...]]:
     """What a rank traces (inside the fake mode): the model on (tokens, labels), or a pipeline
     stage of it (build.stage) on what that stage receives (tokens on the first, this rank's
-    shard of the activations on the others: sequence parallel shards them over tp) and, on the
-    last, the labels; and the kinds of those inputs."""
+    shard of the activations on the others: sequence parallel shards them over tp), the
+    micro-batch's tokens where a later stage needs them (the document mask's ids:
+    DecoderStage.reads_tokens) and, on the last, the labels; and the kinds of those inputs."""
     batch = (build.batch_size, build.seq_len)
     labels = torch.empty(*batch, dtype=torch.long)
     if build.stage is None:
@@ -205,7 +209,10 @@ def _traced_module(build, model: torch.nn.Module) -> tuple[torch.nn.Module, tupl
     else:
         shape = (build.batch_size, build.seq_len // build.layout.tp, build.cfg.dim)
         received, kinds = torch.empty(shape, dtype=getattr(torch, build.dtype), requires_grad=True), ("activations",)
-    return (module, (received, labels), kinds + ("labels",)) if stage.last else (module, (received,), kinds)
+    examples = (received,)
+    if module.reads_tokens:
+        examples, kinds = examples + (torch.empty(*batch, dtype=torch.long),), kinds + ("tokens",)
+    return (module, examples + (labels,), kinds + ("labels",)) if stage.last else (module, examples, kinds)
 
 
 def stage_io(build, examples: tuple, data_kinds: tuple[str, ...], fw: fx.GraphModule, n_updates: int) -> StageIO:
@@ -217,7 +224,8 @@ def stage_io(build, examples: tuple, data_kinds: tuple[str, ...], fw: fx.GraphMo
     dtype = str((received if received is not None else sent).dtype).removeprefix("torch.")
     return StageIO(index=stage.index, stages=stage.stages, layers=stage.layers,
                    input_shape=None if received is None else tuple(received.shape),
-                   output_shape=None if sent is None else tuple(sent.shape), dtype=dtype)
+                   output_shape=None if sent is None else tuple(sent.shape), dtype=dtype,
+                   reads_tokens=not stage.first and "tokens" in data_kinds)
 
 
 def mutated_buffers(gm: fx.GraphModule) -> list[str]:

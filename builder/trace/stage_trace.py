@@ -23,7 +23,8 @@ from titan.runtime.contract.graph_encode import encode_graph
 
 STAGE_INPUTS = ("tokens", "activations", "labels")
 """What a stage program's forward takes after its parameters, by the stage's place: the first
-stage tokens, the others activations, and the last also labels."""
+stage tokens, the others activations (and, under the document mask, the tokens after them), and
+the last also labels."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -51,7 +52,9 @@ def trace_stage(stage: nn.Module, *, inputs: tuple[str, ...], micro_batch: tuple
                          else torch.empty(*micro_batch, dtype=torch.long) for kind in inputs)
     with contextlib.ExitStack() as stack:
         stack.enter_context(module_provenance(stage))
-        joint = aot_export_joint_with_descriptors(stack, stage, examples).graph_module
+        # After what the stage receives, its data goes by keyword (DecoderStage's `tokens`, `labels`).
+        kwargs = dict(zip(inputs[1:], examples[1:]))
+        joint = aot_export_joint_with_descriptors(stack, stage, examples[:1], kwargs).graph_module
         descs = [n.meta["desc"] for n in joint.graph.nodes if n.op == "placeholder"]
         params = tuple(d.target for d in descs if type(d).__name__ == "ParamAOTInput")
         assert [type(d).__name__ for d in descs] == (["ParamAOTInput"] * len(params) + ["PlainAOTInput"] * len(inputs)

@@ -62,6 +62,7 @@ class EagerPipeline:
         placements = {shard.fqn: shard.placements for shard in shards}
         self.placements = [placements[fqn] for fqn, _ in self.named_params]
         self.first, self.last = 0 in held, n - 1 in held
+        self.reads_tokens = any(stage.reads_tokens for stage in self.stages.values())
         self.device, self.group = device, mesh.get_group("pp")
         torch_stages = [PipelineStage(self.stages[s], s, n, device, group=self.group) for s in held]
         for stage in torch_stages:
@@ -77,11 +78,15 @@ class EagerPipeline:
         tokens = torch.cat([t for t, _ in batches])
         labels = torch.cat([lb for _, lb in batches])
         losses: list[torch.Tensor] = []
-        target = {"target": labels, "losses": losses} if self.last else {}
+        keywords = {"target": labels, "losses": losses} if self.last else {}
+        # Under the document mask every stage reads the micro-batch's tokens (DecoderStage's
+        # `tokens`): the schedule splits keyword inputs into micro-batches and gives each stage its own.
+        if self.reads_tokens:
+            keywords["tokens"] = tokens
         if self.first:
-            self.schedule.step(tokens, **target)
+            self.schedule.step(tokens, **keywords)
         else:
-            self.schedule.step(**target)
+            self.schedule.step(**keywords)
         return pipeline_loss(losses if self.last else None, device=self.device, group=self.group)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:

@@ -206,10 +206,15 @@ class StageIO(StagePlace):
     """The activations it sends on (None: the last stage, which returns its loss)."""
     dtype: str
     """The activations' dtype (the build's compute dtype)."""
+    reads_tokens: bool = False
+    """A stage past the first that also takes the micro-batch's tokens (the document mask computes
+    each token's document from them inside the step; docs/pipeline.md). Written only when set:
+    a record written before reads as False."""
 
     def to_json(self) -> dict:
-        return {**self.place_json(), "input_shape": None if self.input_shape is None else list(self.input_shape),
-                "output_shape": None if self.output_shape is None else list(self.output_shape), "dtype": self.dtype}
+        d = {**self.place_json(), "input_shape": None if self.input_shape is None else list(self.input_shape),
+             "output_shape": None if self.output_shape is None else list(self.output_shape), "dtype": self.dtype}
+        return {**d, "reads_tokens": True} if self.reads_tokens else d
 
     @staticmethod
     def from_json(d, where: str) -> StageIO:
@@ -229,12 +234,16 @@ class StageIO(StagePlace):
             fail(where, "only the first stage receives no activations and only the last sends none")
         if d.get("dtype") not in ACTIVATION_DTYPES:
             fail(where, f"activation dtype {str(d.get('dtype'))[:20]!r} is not one of {', '.join(ACTIVATION_DTYPES)}")
+        reads_tokens = d.get("reads_tokens", False)
+        if not isinstance(reads_tokens, bool) or (reads_tokens and index == 0):
+            fail(where, "reads_tokens must be true or false, and true only past the first stage")
         return StageIO(index=index, stages=stages, layers=(start, stop), input_shape=shapes[0],
-                       output_shape=shapes[1], dtype=d["dtype"])
+                       output_shape=shapes[1], dtype=d["dtype"], reads_tokens=reads_tokens)
 
     def expected_inputs(self) -> dict[str, int]:
         """How many data inputs of each kind its forward takes."""
-        return {"tokens": int(self.first), "activations": int(not self.first), "labels": int(self.last)}
+        return {"tokens": int(self.first or self.reads_tokens), "activations": int(not self.first),
+                "labels": int(self.last)}
 
 
 MAX_STAGES = 1024

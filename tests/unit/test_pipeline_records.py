@@ -83,6 +83,13 @@ def test_a_stage_record_reads_back_and_says_what_it_takes():
     first = StageIO.from_json(_stage(index=0, input_shape=None), "p")
     last = StageIO.from_json(_stage(index=2, output_shape=None), "p")
     assert first.expected_inputs()["tokens"] == 1 and last.expected_inputs()["labels"] == 1
+    assert "reads_tokens" not in io.to_json()  # written only when set: a record from before reads the same
+
+
+def test_a_later_stage_under_the_document_mask_takes_the_tokens_too():
+    io = StageIO.from_json(_stage(index=2, output_shape=None, reads_tokens=True), "p")
+    assert io.reads_tokens and StageIO.from_json(io.to_json(), "p") == io
+    assert io.expected_inputs() == {"tokens": 1, "activations": 1, "labels": 1}
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -93,6 +100,8 @@ def test_a_stage_record_reads_back_and_says_what_it_takes():
     (dict(layers=[4, 4]), "stage layers: expected an integer in [5, 65536], got 4"),
     (dict(dtype="float64"), "activation dtype 'float64' is not one of float32, bfloat16"),
     (dict(input_shape=[2, -1, 256]), "input_shape"),
+    (dict(reads_tokens=1), "reads_tokens must be true or false, and true only past the first stage"),
+    (dict(index=0, input_shape=None, reads_tokens=True), "reads_tokens must be true or false, and true only past"),
 ])
 def test_a_stage_record_titan_build_would_not_write_is_refused(changes, message):
     with pytest.raises(ValueError) as e:
