@@ -76,7 +76,8 @@ fi
 if has mla; then
   echo "== mla [$(elapsed) s]"
   titan-build --model deepseek_v3 --flavor debug --dtype bf16 --seq-len 512 --attention flex --mask document \
-    --eos-id 511 --out artifacts/flex-ds-debug > "$OUT/build-ds-debug.txt" 2>&1; echo "build ds debug: exit $? [$(elapsed) s]"
+    --eos-id 511 --out artifacts/flex-ds-debug > "$OUT/build-ds-debug.txt" 2>&1
+  echo "build ds debug: exit $? [$(elapsed) s]"
   titan-build --model deepseek_v3 --flavor 16B-4L --seq-len 2048 --batch-size 1 --attention flex --mask document \
     --eos-id 102399 --out artifacts/flex-ds-16b4l > "$OUT/build-ds-16b4l.txt" 2>&1
   echo "build ds 16B-4L: exit $? [$(elapsed) s]"

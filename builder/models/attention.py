@@ -39,7 +39,8 @@ def attention_overrides(cfg: Any, *, model: str, attention: str, mask: str, eos_
     changed = {k: v for k, v in chosen.items() if v != DEFAULTS[k]}
     if not changed:
         return {}
-    assert all(f in {f.name for f in dataclasses.fields(cfg)} for f in DEFAULTS), f"{model}'s config lacks {list(DEFAULTS)}"
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    assert all(f in fields for f in DEFAULTS), f"{model}'s config lacks the attention fields {list(DEFAULTS)}"
     if mask == "document" and attention != "flex":
         raise ValueError("--mask document needs --attention flex (SDPA runs the causal mask only)")
     if mask == "document" and eos_id is None:

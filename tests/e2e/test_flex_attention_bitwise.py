@@ -1,7 +1,7 @@
 """FlexAttention artifacts (titan-build --attention flex, issue 31) train bit for bit like eager
 PyTorch at tp 2 and dp-shard 2 (DeepSeek-V3's latent attention also at ep 2), with the causal
-mask and with the document mask whose document boundaries sit elsewhere in every step's batch: the mask is data computed inside the step, so
-one artifact serves every batch. The eager reference runs the same model code, whose attention
+mask and with the document mask whose document boundaries sit elsewhere in every step's batch:
+the mask is data computed inside the step, so one artifact serves every batch. The eager reference runs the same model code, whose attention
 is titan::flex_attention: PyTorch's eager FlexAttention math on CPU (unit/test_flex_attention.py
 ties the two, and holds the op's contract: its dense reference, its refusals)."""
 
