@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU-host run, one GPU (nvidia-h100-x1): FlexAttention's fused kernels in titan (issue 31).
-#   bash benchmarks/gpu/gpu_flex.sh                 (all parts, in this order: verify offline bench ops;
-#                                                    about 20 minutes: split it over calls)
+#   bash benchmarks/gpu/gpu_flex.sh                 (all parts, in this order: verify mla offline bench ops;
+#                                                    about 25 minutes: split it over calls)
 #   PARTS="verify ops" bash benchmarks/gpu/gpu_flex.sh;  PARTS="bench offline" bash benchmarks/gpu/gpu_flex.sh
+#   PARTS="mla" bash benchmarks/gpu/gpu_flex.sh     (DeepSeek-V3's latent attention alone, ~5 minutes)
 # Needs for `bench`'s torchtitan rows the peer wheels in .whl/ (as gpu_peers.sh).
 #  0. titan (editable) unless importable; token files of random documents (flex_check.py
 #     documents): debug (vocab 2048, separator 2047, 16-300 tokens) and 1B (vocab 128256,
@@ -15,6 +16,10 @@
 #           with each step's boundaries) of debug seq 512 and 1B seq 8192 flex document on the
 #           documents, from an empty kernel store (the flex kernels compiled here, once, and
 #           shared by the eager reference and the artifact): bitwise yes/no.
+#  mla:     the same for DeepSeek-V3's multi-head latent attention through the flex op, its
+#           values at their own head size (debug: q/k 24, v 16, not powers of two; 16B-4L: q/k
+#           192, v 128, the 16B and 671B sizes): debug bf16 seq 512 and 16B-4L seq 2048 batch 1,
+#           flex document on documents of their vocabularies (separators 511 and 102399).
 #  offline: the same for artifacts/flex-offline-debug and -1b if carried, built without a GPU:
 #             titan-build --flavor debug --dtype bf16 --seq-len 512 --attention flex --mask document \
 #               --eos-id 2047 --kernels --gpu h100 --out artifacts/flex-offline-debug
@@ -29,7 +34,7 @@
 # A table of every result last.
 source "$(dirname "$0")/gpu_common.sh"
 export TITAN_CACHE_DIR=$OUT/cache TITAN_KEY_FILE=$OUT/cache.key
-PARTS=${PARTS:-verify bench ops offline}
+PARTS=${PARTS:-verify mla bench ops offline}
 STEPS=${STEPS:-12}
 install_titan
 rm -rf "$OUT/cache"
@@ -37,6 +42,10 @@ python3 benchmarks/gpu/flex_check.py documents "$OUT/docs-debug.bin" --vocab 204
   --shortest 16 --longest 300
 python3 benchmarks/gpu/flex_check.py documents "$OUT/docs-1b.bin" --vocab 128256 --eos 128001 --tokens 400000 \
   --shortest 64 --longest 4096
+python3 benchmarks/gpu/flex_check.py documents "$OUT/docs-ds-debug.bin" --vocab 512 --eos 511 --tokens 100000 \
+  --shortest 16 --longest 300
+python3 benchmarks/gpu/flex_check.py documents "$OUT/docs-ds-16b.bin" --vocab 102400 --eos 102399 --tokens 200000 \
+  --shortest 64 --longest 2048
 summary=()
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
@@ -62,6 +71,19 @@ if has verify; then
     --out artifacts/flex-1b > "$OUT/build-1b.txt" 2>&1; echo "build 1B: exit $? [$(elapsed) s]"
   verify flex-doc-debug artifacts/flex-debug "$OUT/docs-debug.bin"
   VERIFY_STEPS=${VERIFY_STEPS_1B:-4} verify flex-doc-1b-seq8192 artifacts/flex-1b "$OUT/docs-1b.bin"
+fi
+
+if has mla; then
+  echo "== mla [$(elapsed) s]"
+  titan-build --model deepseek_v3 --flavor debug --dtype bf16 --seq-len 512 --attention flex --mask document \
+    --eos-id 511 --out artifacts/flex-ds-debug > "$OUT/build-ds-debug.txt" 2>&1
+  echo "build ds debug: exit $? [$(elapsed) s]"
+  titan-build --model deepseek_v3 --flavor 16B-4L --seq-len 2048 --batch-size 1 --attention flex --mask document \
+    --eos-id 102399 --out artifacts/flex-ds-16b4l > "$OUT/build-ds-16b4l.txt" 2>&1
+  echo "build ds 16B-4L: exit $? [$(elapsed) s]"
+  grep -h "flex_attention.default" <(titan-show artifacts/flex-ds-debug --graph fw 2>&1) | head -n 1
+  verify flex-doc-deepseek-debug artifacts/flex-ds-debug "$OUT/docs-ds-debug.bin"
+  VERIFY_STEPS=${VERIFY_STEPS_1B:-4} verify flex-doc-deepseek-16b4l-seq2048 artifacts/flex-ds-16b4l "$OUT/docs-ds-16b.bin"
 fi
 
 if has offline; then

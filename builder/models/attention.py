@@ -2,7 +2,8 @@
 --eos-id): SDPA with the causal mask (the default), or FlexAttention with the causal or the
 document mask (runtime/contract/flex_attention.py's op).
 
-A family offers the choice by having the three fields below in its config (Llama 3, Qwen3);
+Every family offers the choice by having the three fields below in its config (Llama 3, Qwen3,
+DeepSeek-V3, whose latent attention gives FlexAttention a value head size apart from the query's);
 they go into the manifest's model config and the cache key only when they differ from the
 defaults, so an SDPA build's config, key and name are what they were before the choice existed.
 The document mask needs the token that ends each document (the separator titan-data appends,
@@ -38,8 +39,8 @@ def attention_overrides(cfg: Any, *, model: str, attention: str, mask: str, eos_
     changed = {k: v for k, v in chosen.items() if v != DEFAULTS[k]}
     if not changed:
         return {}
-    if not all(f in {f.name for f in dataclasses.fields(cfg)} for f in DEFAULTS):
-        raise ValueError(f"--attention/--mask/--eos-id: {model} has SDPA causal attention only; build it without them")
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    assert all(f in fields for f in DEFAULTS), f"{model}'s config lacks the attention fields {list(DEFAULTS)}"
     if mask == "document" and attention != "flex":
         raise ValueError("--mask document needs --attention flex (SDPA runs the causal mask only)")
     if mask == "document" and eos_id is None:

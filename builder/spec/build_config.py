@@ -78,7 +78,7 @@ class BuildConfig:
     sign: str | None = setting(None, check="file")
     """Sign the artifact's manifest with this key file (made, mode 0600, if missing) instead of your own cache key: titan-run --trust KEYFILE then loads the compiled kernels it carries."""
     attention: Literal["sdpa", "flex"] = "sdpa"
-    """Attention kernel: sdpa (causal scaled-dot-product attention), or flex (FlexAttention, with --mask); llama3 and qwen3."""
+    """Attention kernel: sdpa (causal scaled-dot-product attention), or flex (FlexAttention, with --mask); every model."""
     mask: Literal["causal", "document"] = "causal"
     """Attention mask with --attention flex: causal, or document (each token attends to earlier tokens of its own document, found from --eos-id in each batch, inside the step)."""
     eos_id: int | None = setting(None, check="non_negative")

@@ -23,8 +23,10 @@ FlexAttention's fused, block-sparse Triton kernels instead (runtime/kernels/flex
 inductor's templates for the higher-order op, compiled and stored as kernel plans like the fusion
 regions, the block mask built on the device from `documents` at each call); the eager reference
 on a GPU runs those same kernels.
-q, k, v are (batch, heads, seq, head_dim) with as many key/value heads as query heads; the
-scale is head_dim ** -0.5.
+q, k, v are (batch, heads, seq, head_dim) with as many key/value heads as query heads; v's
+head_dim may differ from q's and k's (DeepSeek-V3's latent attention: 192 for q and k, 128 for v;
+FlexAttention's kernels take the two sizes apart, torch PR 134043), and the output has v's. The
+scale is q's head_dim ** -0.5.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ _lib.define("flex_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None) -> None:
     """A graph is data: refuse inputs the kernel would silently broadcast or misread."""
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"flex_attention takes q, k, v of one (batch, heads, seq, head_dim) shape, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; rebuild the artifact")
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"flex_attention takes q and k of one (batch, heads, seq, head_dim) shape and v of their "
+                         f"batch, heads and seq, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; "
+                         "rebuild the artifact")
     if documents is not None and (documents.dtype != torch.int64 or tuple(documents.shape) != (q.shape[0], q.shape[2])):
         raise ValueError(f"flex_attention's document ids must be int64 of shape (batch, seq) = "
                          f"{(q.shape[0], q.shape[2])}, got {documents.dtype} {tuple(documents.shape)}; rebuild the artifact")
@@ -51,10 +54,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.T
 
 def _check_backward(grad_out, q, k, v, out, lse, documents) -> None:
     _check(q, k, v, documents)
-    if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
-        raise ValueError(f"flex_attention_backward takes grad_out and out like q {tuple(q.shape)} and a logsumexp of "
-                         f"{tuple(q.shape[:3])}, got {tuple(grad_out.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}; "
-                         "rebuild the artifact")
+    if grad_out.shape != v.shape or out.shape != v.shape or lse.shape != q.shape[:3]:
+        raise ValueError(f"flex_attention_backward takes grad_out and out of v's shape {tuple(v.shape)} and a "
+                         f"logsumexp of {tuple(q.shape[:3])}, got {tuple(grad_out.shape)}, {tuple(out.shape)}, "
+                         f"{tuple(lse.shape)}; rebuild the artifact")
 
 
 def attention_mask(documents: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor:
@@ -83,7 +86,7 @@ def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torc
 
 
 def _flex_attention(q, k, v, documents):
-    """Returns (out like q's shape, contiguous; logsumexp float32 (batch, heads, seq), base 2 as
+    """Returns (out (batch, heads, seq, v's head_dim), contiguous; logsumexp float32 (batch, heads, seq), base 2 as
     the higher-order op returns it)."""
     _check(q, k, v, documents)
     scores = _masked_scores(q, k, attention_mask(documents, q.shape[2], q.device))
@@ -95,7 +98,7 @@ def _flex_attention(q, k, v, documents):
 
 
 def _flex_attention_backward(grad_out, q, k, v, out, lse, documents):
-    """Returns (grad_q, grad_k, grad_v), each contiguous like q: FlexAttention's math backward
+    """Returns (grad_q, grad_k, grad_v), each contiguous, shaped like q, k, v: FlexAttention's math backward
     for an identity score_mod (no gradient flows into the logsumexp)."""
     _check_backward(grad_out, q, k, v, out, lse, documents)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -113,12 +116,12 @@ def _flex_attention_backward(grad_out, q, k, v, out, lse, documents):
 
 def _flex_attention_fake(q, k, v, documents):
     _check(q, k, v, documents)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _flex_attention_backward_fake(grad_out, q, k, v, out, lse, documents):
     _check_backward(grad_out, q, k, v, out, lse, documents)
-    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _flex_attention_cuda(q, k, v, documents):

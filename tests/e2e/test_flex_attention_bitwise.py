@@ -1,7 +1,7 @@
 """FlexAttention artifacts (titan-build --attention flex, issue 31) train bit for bit like eager
-PyTorch at tp 2 and dp-shard 2, with the causal mask and with the document mask whose document
-boundaries sit elsewhere in every step's batch: the mask is data computed inside the step, so
-one artifact serves every batch. The eager reference runs the same model code, whose attention
+PyTorch at tp 2 and dp-shard 2 (DeepSeek-V3's latent attention also at ep 2), with the causal
+mask and with the document mask whose document boundaries sit elsewhere in every step's batch:
+the mask is data computed inside the step, so one artifact serves every batch. The eager reference runs the same model code, whose attention
 is titan::flex_attention: PyTorch's eager FlexAttention math on CPU (unit/test_flex_attention.py
 ties the two, and holds the op's contract: its dense reference, its refusals)."""
 
@@ -20,6 +20,7 @@ from titan.runtime.data import TokenFile
 STEPS = 10
 EOS = 2047
 LAYOUTS = [dict(tp=2), dict(dp_shard=2)]
+DEEPSEEK_EOS = 511
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +28,22 @@ def documents_file(tmp_path_factory):
     return write_documents(tmp_path_factory.mktemp("data") / "documents.u16", vocab=2048, eos=EOS)
 
 
-def _boundaries(path, step: int, dp_rank: int) -> list[list[int]]:
-    data = TokenFile(path, dtype="uint16", vocab_size=2048, batch_size=2, seq_len=128, dp_rank=dp_rank, dp_degree=1)
+@pytest.fixture(scope="module")
+def deepseek_documents(tmp_path_factory):
+    """The same documents in DeepSeek-V3 debug's vocabulary of 512."""
+    return write_documents(tmp_path_factory.mktemp("data") / "documents512.u16", vocab=512, eos=DEEPSEEK_EOS)
+
+
+def _boundaries(path, step: int, *, vocab: int, eos: int) -> list[list[int]]:
+    data = TokenFile(path, dtype="uint16", vocab_size=vocab, batch_size=2, seq_len=128, dp_rank=0, dp_degree=1)
     tokens, _ = data.batch(step)
-    return [torch.nonzero(row == EOS).flatten().tolist() for row in tokens]
+    return [torch.nonzero(row == eos).flatten().tolist() for row in tokens]
 
 
-def test_the_document_boundaries_move_at_every_step(documents_file):
-    seen = [_boundaries(documents_file, step, 0) for step in range(STEPS)]
+@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+def test_the_document_boundaries_move_at_every_step(model, documents_file, deepseek_documents):
+    path, vocab, eos = (documents_file, 2048, EOS) if model == "llama3" else (deepseek_documents, 512, DEEPSEEK_EOS)
+    seen = [_boundaries(path, step, vocab=vocab, eos=eos) for step in range(STEPS)]
     assert all(seen[i] != seen[i + 1] for i in range(STEPS - 1))
     assert all(len(row) >= 1 for batch in seen for row in batch)
 
@@ -84,6 +93,46 @@ def test_qwen3_flex_document_equals_eager(debug_artifact, tmp_path):
     assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"]
 
 
+@pytest.mark.slow  # builds and trains an artifact: ~100 s on the 2-core machine under load
+@pytest.mark.parametrize("layout", ["--tp", "--dp-shard", "--ep"])
+def test_deepseek_v3_latent_attention_flex_document_equals_eager(layout, deepseek_documents, tmp_path):
+    """DeepSeek-V3's multi-head latent attention through the flex op, its values at their own
+    head size (16 in debug against 24 for queries and keys: no padding, unlike SDPA), with the
+    document mask over boundaries that move at every step: bitwise at tp 2, dp-shard 2 and ep 2."""
+    art = tmp_path / "art"
+    r = titan("build", "--model", "deepseek_v3", "--flavor", "debug", layout, 2, "--attention", "flex", "--mask",
+              "document", "--eos-id", DEEPSEEK_EOS, "--out", art)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert describe_attention(manifest["model_config"]) == f"flex document (eos id {DEEPSEEK_EOS})"
+    forward = titan("show", art, "--graph", "fw").stdout
+    heads = 2 if layout == "--tp" else 4
+    assert forward.count(f"(float32[2,{heads},128,16], float32[2,{heads},128]) = titan.flex_attention.default(") == 3
+    assert "titan.attention.default" not in forward
+    out = tmp_path / "verify.json"
+    r = titan("verify", art, "--steps", 6, "--data", deepseek_documents, "--json", out)
+    assert r.returncode == 0 and "bitwise equal: yes" in r.stdout, r.stdout + r.stderr
+    assert "parameters after step 6: all bitwise equal" in r.stdout
+    result = json.loads(out.read_text())
+    assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"] and len(result["eager"]) == 6
+
+
+@pytest.mark.slow  # builds and trains an artifact: ~100 s on the 2-core machine under load
+def test_deepseek_v3_latent_attention_flex_documents_through_a_pipeline_equals_eager(deepseek_documents, tmp_path):
+    """At pp 2 every stage's latent attention is the flex op with the document mask (a stage past
+    the first finds the documents in the micro-batch's tokens it reads: docs/pipeline.md)."""
+    art = tmp_path / "art"
+    r = titan("build", "--model", "deepseek_v3", "--flavor", "debug", "--pp", 2, "--attention", "flex", "--mask",
+              "document", "--eos-id", 511, "--out", art)
+    assert r.returncode == 0, r.stderr
+    assert "titan.flex_attention.default(" in titan("show", art, "--graph", "fw").stdout
+    out = tmp_path / "verify.json"
+    r = titan("verify", art, "--steps", 3, "--data", deepseek_documents, "--json", out)
+    assert r.returncode == 0 and "bitwise equal: yes" in r.stdout, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["parameters_differing"] == 0 and result["eager"] == result["artifact"] and len(result["eager"]) == 3
+
+
 @pytest.mark.slow  # builds and trains artifacts: 30-80 s on the 2-core machine
 def test_selective_checkpointing_keeps_flex_attention_outputs_and_stays_bitwise(debug_artifact, documents_file,
                                                                                tmp_path):
@@ -99,7 +148,7 @@ def test_selective_checkpointing_keeps_flex_attention_outputs_and_stays_bitwise(
 @pytest.mark.parametrize("flags,why", [
     (("--mask", "document", "--eos-id", "3"), "--mask document needs --attention flex"),
     (("--attention", "flex", "--mask", "document"), "--mask document needs --eos-id ID"),
-    (("--model", "deepseek_v3", "--attention", "flex"), "deepseek_v3 has SDPA causal attention only"),
+    (("--model", "deepseek_v3", "--attention", "flex", "--eos-id", "511"), "--eos-id is for --mask document only"),
     (("--attention", "flash"), "'flash' is not one of 'sdpa', 'flex'"),
 ])
 def test_bad_attention_flags_are_one_line_errors(flags, why, tmp_path):

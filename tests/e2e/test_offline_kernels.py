@@ -62,15 +62,18 @@ def test_a_build_without_the_flag_gets_no_kernels_from_an_earlier_kernels_build_
     assert not (without / "kernels").exists()
 
 
-def test_flex_builds_carry_the_fused_attention_kernels_as_plans(tmp_path):
+@pytest.mark.parametrize("model,eos", [("llama3", 2047), ("deepseek_v3", 511)])
+def test_flex_builds_carry_the_fused_attention_kernels_as_plans(model, eos, tmp_path):
     """A flex document build: FlexAttention's forward template and its backward (the row
-    reduction and the template) planned beside the exact regions, keyed as the GPU run keys them."""
+    reduction and the template) planned beside the exact regions, keyed as the GPU run keys them;
+    for DeepSeek-V3's latent attention at its head sizes (q and k 24, v 16: neither the same nor
+    powers of two)."""
     from titan.runtime.kernels.kernel_plan import decode_plan
 
     env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"), TITAN_KEY_FILE=str(tmp_path / "key" / "cache.key"))
     art = tmp_path / "art"
-    r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--seq-len", "256", "--attention", "flex", "--mask",
-              "document", "--eos-id", "2047", "--kernels", "--gpu", "h100", "--out", art, env=env)
+    r = titan("build", "--model", model, "--flavor", "debug", "--dtype", "bf16", "--seq-len", "256", "--attention",
+              "flex", "--mask", "document", "--eos-id", eos, "--kernels", "--gpu", "h100", "--out", art, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("kernels: "))
     assert "left to compile" not in line, line

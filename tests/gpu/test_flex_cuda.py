@@ -3,7 +3,8 @@
 - the result against the dense reference (the op's CPU kernel run on the GPU in float32 on the
   same bf16 inputs), forward and gradients, within TOLERANCE (bf16 outputs, sums in another
   order), for the document mask (with a document crossing tile boundaries and a one-document
-  sequence) and the causal mask;
+  sequence) and the causal mask, at Llama's head size and at DeepSeek-V3's latent attention's
+  (values with fewer dims than queries and keys: 16 against 24 in debug, 128 against 192);
 - a CUDA graph captured once, replayed with new document boundaries: bitwise equal to eager calls
   with those boundaries (no boundary is a constant of the kernels);
 - the kernels are loaded once per process and shape (the second call compiles nothing);
@@ -28,9 +29,11 @@ def _documents(batch: int, seq: int, *, mean: int, seed: int) -> torch.Tensor:
     return ids
 
 
-def _inputs(batch: int, heads: int, seq: int, dim: int):
+def _inputs(batch: int, heads: int, seq: int, dim: int, v_dim: int | None = None):
+    """q, k, v, grad_out; v and grad_out of `v_dim` head dims (default: `dim`)."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    return [torch.randn(batch, heads, seq, dim, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    dims = (dim, dim, v_dim or dim, v_dim or dim)
+    return [torch.randn(batch, heads, seq, d, generator=g, device="cuda", dtype=torch.bfloat16) for d in dims]
 
 
 def _fwd_bwd(q, k, v, grad_out, documents):
@@ -42,11 +45,12 @@ def _fwd_bwd(q, k, v, grad_out, documents):
 
 
 @pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("dims", [(64, 64), (24, 16), (192, 128)], ids=["llama", "mla-debug", "mla"])
 @pytest.mark.parametrize("mask", ["document", "causal"])
-def test_fused_kernels_match_the_dense_reference(mask):
+def test_fused_kernels_match_the_dense_reference(mask, dims):
     import titan.runtime.contract.flex_attention as op
 
-    q, k, v, grad_out = _inputs(2, 4, 512, 64)
+    q, k, v, grad_out = _inputs(2, 4, 512, *dims)
     documents = _documents(2, 512, mean=100, seed=0) if mask == "document" else None
     fused = _fwd_bwd(q, k, v, grad_out, documents)
     q32, k32, v32 = (t.float() for t in (q, k, v))

@@ -3,8 +3,9 @@ the causal or the document mask, the mask computed from document ids that are da
 
 References: PyTorch's own eager flex_attention (forward; torch 2.13 refuses its backward on CPU)
 and its higher-order op's math backward, bit for bit; and, independently, SDPA with an explicit boolean mask built from the document ids (forward and
-gradients, within TOLERANCE: float32 sums in another order). Artifacts that train with it,
-bitwise against eager: e2e/test_flex_attention_bitwise.py."""
+gradients, within TOLERANCE: float32 sums in another order). Each at Llama's head size and at
+DeepSeek-V3's latent attention's, whose values have fewer dims than its queries and keys
+(HEAD_SIZES). Artifacts that train with it, bitwise against eager: e2e/test_flex_attention_bitwise.py."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ from titan.runtime.contract.flex_attention import flex_attention
 from titan.runtime.contract.graph_decode import GraphFormatError
 
 TOLERANCE = dict(rtol=1e-5, atol=2e-6)
-"""float32, head_dim 32, seq 48: the dense reference's softmax and products sum in another order."""
+"""float32, seq 48, head sizes up to 192: the dense reference's softmax and products sum in
+another order."""
 EOS = 5
+HEAD_SIZES = {"llama": (32, 32), "mla-debug": (24, 16), "mla-671B": (192, 128)}
+"""(q and k head size, v head size): a debug Llama's; DeepSeek-V3 debug's latent attention
+(16 + 8 rotary, v 16); 16B's and 671B's (128 + 64 rotary, v 128)."""
 
 
 def _stream_rows() -> torch.Tensor:
@@ -45,16 +50,18 @@ def test_document_ids_count_the_ends_before_each_token():
     assert document_ids(tokens, EOS).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1], [0] * 7]
 
 
-def _qkv(batch: int, *, dtype=torch.float32, grad=False):
+def _qkv(batch: int, *, dtype=torch.float32, grad=False, heads: str = "llama"):
     g = torch.Generator().manual_seed(1)
-    return tuple(torch.randn(batch, 4, 48, 32, generator=g, dtype=dtype).requires_grad_(grad) for _ in range(3))
+    qk, v = HEAD_SIZES[heads]
+    return tuple(torch.randn(batch, 4, 48, d, generator=g, dtype=dtype).requires_grad_(grad) for d in (qk, qk, v))
 
 
+@pytest.mark.parametrize("heads", HEAD_SIZES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", ["causal", "document"])
-def test_forward_is_pytorchs_eager_flex_attention_bit_for_bit(masked, dtype):
+def test_forward_is_pytorchs_eager_flex_attention_bit_for_bit(masked, dtype, heads):
     docs = document_ids(_stream_rows(), EOS)
-    q, k, v = _qkv(docs.shape[0], dtype=dtype)
+    q, k, v = _qkv(docs.shape[0], dtype=dtype, heads=heads)
     if masked == "document":
         def mask_mod(b, h, m, n):
             return (m >= n) & (docs[b, m] == docs[b, n])
@@ -68,31 +75,34 @@ def test_forward_is_pytorchs_eager_flex_attention_bit_for_bit(masked, dtype):
     assert torch.equal(flex_attention(q, k, v, docs if masked == "document" else None), expected)
 
 
+@pytest.mark.parametrize("heads", HEAD_SIZES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_is_the_higher_order_ops_math_backward_bit_for_bit(dtype):
+def test_backward_is_the_higher_order_ops_math_backward_bit_for_bit(dtype, heads):
     import math
 
     from torch._higher_order_ops.flex_attention import flex_attention_backward
     docs = document_ids(_stream_rows(), EOS)
-    q, k, v = _qkv(3, dtype=dtype)
+    q, k, v = _qkv(3, dtype=dtype, heads=heads)
     out, lse = torch.ops.titan.flex_attention(q, k, v, docs)
-    grad_out = torch.randn(3, 4, 48, 32, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    assert out.shape == v.shape
+    grad_out = torch.randn(v.shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
 
     def mask_mod(b, h, m, n):
         return (m >= n) & (docs[b, m] == docs[b, n])
     block_mask = create_block_mask(mask_mod, 3, None, 48, 48, device="cpu")
     expected = flex_attention_backward(q, k, v, out, lse, grad_out, None, lambda score, b, h, m, n: score, None,
-                                       block_mask.as_tuple(), 1 / math.sqrt(32), {}, (), ())[:3]
+                                       block_mask.as_tuple(), 1 / math.sqrt(q.shape[-1]), {}, (), ())[:3]
     got = torch.ops.titan.flex_attention_backward(grad_out, q, k, v, out, lse, docs)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_document_mask_matches_dense_sdpa_with_a_boolean_mask():
+@pytest.mark.parametrize("heads", HEAD_SIZES)
+def test_document_mask_matches_dense_sdpa_with_a_boolean_mask(heads):
     docs = document_ids(_stream_rows(), EOS)
     assert docs[1, :10].eq(0).all() and docs[1, 10] == 1, "sequence 1 starts inside a document"
     assert docs[2].eq(0).all(), "sequence 2 is one document"
-    q, k, v = _qkv(3, grad=True)
-    grad_out = torch.randn(3, 4, 48, 32, generator=torch.Generator().manual_seed(2))
+    q, k, v = _qkv(3, grad=True, heads=heads)
+    grad_out = torch.randn(v.shape, generator=torch.Generator().manual_seed(2))
     out = flex_attention(q, k, v, docs)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     pos = torch.arange(48)
@@ -125,6 +135,17 @@ def test_document_ids_of_the_wrong_shape_or_dtype_are_refused(documents, why):
     q, k, v = _qkv(2)
     with pytest.raises(ValueError, match=why):
         flex_attention(q, k, v, documents)
+
+
+@pytest.mark.parametrize("cut", [(slice(0, 1),), (slice(None), slice(0, 2)), (slice(None), slice(None), slice(0, 47))],
+                         ids=["batch", "heads", "seq"])
+def test_values_of_another_batch_heads_or_seq_are_refused(cut):
+    """Only the head size of v may differ from q's and k's (latent attention's values)."""
+    q, k, v = _qkv(2, heads="mla-debug")
+    with pytest.raises(ValueError, match="v of their batch, heads and seq"):
+        flex_attention(q, k, v[cut], None)
+    with pytest.raises(ValueError, match="q and k of one"):
+        flex_attention(q, k[..., :16], v, None)
 
 
 def test_backward_inputs_of_another_shape_are_refused():
@@ -226,6 +247,40 @@ def test_the_choice_is_in_the_cache_key_and_the_name_and_sdpas_key_is_as_before(
     assert len({digest(build_factors(s)) for s in (sdpa, causal, doc, spec(attention="flex", mask="document",
                                                                            eos_id=8))}) == 4
     assert (causal.name, doc.name) == ("llama3-debug-tp2-flex", "llama3-debug-tp2-flex-doc-eos7")
-    with pytest.raises(ValueError, match="deepseek_v3 has SDPA causal attention only"):
-        make_spec(model="deepseek_v3", flavor="debug", tp=1, dp_shard=1, dp_replicate=1, batch_size=None,
-                  seq_len=None, attention="flex")
+    # DeepSeek-V3's latent attention offers the same choice, named and keyed the same way.
+    mla = make_spec(model="deepseek_v3", flavor="debug", tp=2, dp_shard=1, dp_replicate=1, batch_size=None,
+                    seq_len=None, attention="flex", mask="document", eos_id=511)
+    assert mla.name == "deepseek_v3-debug-tp2-flex-doc-eos511"
+    assert {k: build_factors(mla)["model config"][k] for k in ("attention", "mask", "eos_id")} == \
+        {"attention": "flex", "mask": "document", "eos_id": 511}
+
+
+def _latent_attention(attention: str, **shape):
+    """DeepSeek-V3 debug's attention block (with `shape` overrides), seeded weights."""
+    import dataclasses
+
+    from titan.builder.models.deepseek_v3.config import FLAVORS as DEEPSEEK
+    from titan.builder.models.deepseek_v3.model import MultiHeadLatentAttention
+    torch.manual_seed(0)
+    return MultiHeadLatentAttention(dataclasses.replace(DEEPSEEK["debug"], attention=attention, **shape))
+
+
+@pytest.mark.parametrize("shape", [{}, dict(rope_factor=40.0)], ids=["debug", "debug-yarn"])
+def test_latent_attention_through_flex_is_its_sdpa_attention(shape):
+    """MLA routed through the flex op (v at its own head size, YaRN's temperature on q) computes
+    the causal SDPA path's attention (v padded to q's head size), within TOLERANCE; with one
+    document per sequence, exactly the flex causal mask; and across a boundary, a later
+    document's tokens change nothing before it."""
+    from titan.builder.models.deepseek_v3.model import rope_tables
+    flex, sdpa = _latent_attention("flex", **shape), _latent_attention("sdpa", **shape)
+    x = torch.randn(3, 48, flex.cfg.dim, generator=torch.Generator().manual_seed(5))
+    cos, sin = rope_tables(48, flex.cfg, "cpu")
+    causal = flex(x, cos, sin)
+    torch.testing.assert_close(causal, sdpa(x, cos, sin), **TOLERANCE)
+    assert torch.equal(flex(x, cos, sin, documents=torch.zeros(3, 48, dtype=torch.int64)), causal)
+    docs = document_ids(_stream_rows(), EOS)
+    masked = flex(x, cos, sin, documents=docs)
+    assert not torch.allclose(masked, causal)
+    moved = x.clone()
+    moved[0, 20:] += 1.0
+    assert torch.equal(flex(moved, cos, sin, documents=docs)[0, :20], masked[0, :20])

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from titan.builder.models.attention import without_default_attention
 from titan.builder.models.moe import without_default_etp
 from titan.builder.models.shape import require_positive
 from titan.builder.models.spec import Flavors
@@ -70,6 +71,13 @@ class DeepSeekV3Config:
     """Expert tensor-parallel degree (titan-build --etp): 1, or the --tp degree to split each
     routed expert's hidden width over the tp ranks (builder/models/moe/expert_tp.py). Left out
     of as_dict at 1."""
+    attention: str = "sdpa"
+    """sdpa or flex (builder/models/attention.py; titan-build --attention). Flex takes MLA's
+    value head size as it is (no padding to the query/key size, as SDPA needs)."""
+    mask: str = "causal"
+    """causal, or document: flex attention within each document (titan-build --mask)."""
+    eos_id: int | None = None
+    """With the document mask: the token that ends each document (titan-build --eos-id)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -112,7 +120,7 @@ class DeepSeekV3Config:
                 + self.n_moe_layers * self.feed_forward_params(moe=True))
 
     def as_dict(self) -> dict:
-        return without_default_etp(dataclasses.asdict(self))
+        return without_default_etp(without_default_attention(dataclasses.asdict(self)))
 
 
 def check_shape(cfg: DeepSeekV3Config) -> None:
@@ -179,7 +187,7 @@ bias_update_rate           1e-3     1e-3     1e-3     1e-3
 def _flavors(table: str) -> dict[str, DeepSeekV3Config]:
     """The table's columns as configs, each value parsed as its field's type."""
     names, *rows = [line.split() for line in table.strip().splitlines()]
-    parse = {f.name: {"int": int, "float": float}[f.type] for f in dataclasses.fields(DeepSeekV3Config)}
+    parse = {f.name: {"int": int, "float": float}.get(f.type) for f in dataclasses.fields(DeepSeekV3Config)}
     values: dict[str, dict] = {name: {} for name in names}
     for field, *column in rows:
         for name, value in zip(names, column, strict=True):

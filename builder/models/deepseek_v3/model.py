@@ -1,6 +1,7 @@
 """DeepSeek-V3 decoder (multi-head latent attention, dense then mixture-of-experts blocks),
 written for tracing like Llama 3: plain PyTorch, attention through the runtime's
-device-dispatched op, RoPE tables computed inside forward (no constants in the graph).
+device-dispatched ops (SDPA, or FlexAttention with the causal or document mask), RoPE tables and
+document ids computed inside forward (no constants in the graph).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from titan.builder.models.decoder import Decoder, DecoderBlock, RMSNorm, SwiGLU, apply_rope, decoder_loss
 from titan.builder.models.deepseek_v3.config import DeepSeekV3Config
 from titan.builder.models.deepseek_v3.moe import MoE
+from titan.runtime.contract.flex_attention import flex_attention
 from titan.runtime.contract.ops import causal_attention
 
 
@@ -42,7 +44,9 @@ def rope_tables(seq_len: int, cfg: DeepSeekV3Config, device) -> tuple[torch.Tens
 class MultiHeadLatentAttention(nn.Module):
     """MLA: queries through an optional low-rank bottleneck; keys and values decompressed per
     head from one shared latent of kv_lora_rank dims; RoPE only on qk_rope_head_dim extra
-    dims, whose key part is shared by all heads (decoupled RoPE)."""
+    dims, whose key part is shared by all heads (decoupled RoPE). With the config's attention
+    'flex', titan's FlexAttention op, masked to each token's document when forward is given
+    `documents` (builder/models/decoder.py's document_ids)."""
 
     def __init__(self, cfg: DeepSeekV3Config):
         super().__init__()
@@ -62,7 +66,8 @@ class MultiHeadLatentAttention(nn.Module):
         # tensor-parallel plan hooks (each rank holds some heads, so its gradient is a share).
         self.rope_key = nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.cfg
         bsz, seqlen, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if cfg.q_lora_rank else self.wq(x)
@@ -79,12 +84,15 @@ class MultiHeadLatentAttention(nn.Module):
         if cfg.rope_factor > 1.0:
             # YaRN's softmax temperature; the attention op applies qk_head_dim ** -0.5 itself.
             q = q * (cfg.softmax_scale * math.sqrt(cfg.qk_head_dim))
-        # The attention kernels (CPU flash, CUDA flash) need one head size for q, k and v: pad
-        # v with zeros to qk_head_dim. Output columns are independent sums over keys, so the
-        # padding adds only zero columns, which are cut off again.
-        v = F.pad(v, (0, cfg.qk_head_dim - cfg.v_head_dim))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = causal_attention(q, k, v)[..., :cfg.v_head_dim]
+        if cfg.attention == "flex":
+            # FlexAttention takes v's head size apart from q's and k's: v goes in as it is.
+            out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
+        else:
+            # The SDPA kernels (CPU flash, CUDA flash) need one head size for q, k and v: pad v
+            # with zeros to qk_head_dim. Output columns are independent sums over keys, so the
+            # padding adds only zero columns, which are cut off again.
+            v = F.pad(v, (0, cfg.qk_head_dim - cfg.v_head_dim))
+            out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[..., :cfg.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
