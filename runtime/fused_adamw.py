@@ -27,8 +27,8 @@ import torch
 
 from titan.runtime.optim import AdamW
 
-BLOCK = 2048
-NUM_WARPS = 8
+BLOCK = 1024
+NUM_WARPS = 16
 """The launch shape (benchmarks/gpu/adamw_tune.py times the candidates; any gives the same bits)."""
 
 _kernel = None
