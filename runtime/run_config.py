@@ -70,6 +70,8 @@ class RunConfig:
     """Seconds a rank waits in a collective (or for its peers) before the job fails."""
     cuda_graphs: bool = True
     """On GPU, capture forward + backward in a CUDA graph and replay it."""
+    pp_gather_per_step: bool = True
+    """A pipeline's stages all-gather their (dp-shard) parameters once per step, before the first micro-batch, and hold them until the last backward (bitwise the same; more resident memory under --ac): off, every micro-batch gathers again, as the stage graphs do."""
     fused_adamw: bool = True
     """On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton)."""
     init_from_hf: str | None = setting(None, check="dir")
