@@ -56,8 +56,18 @@ class StageGather:
     @property
     def resident_bytes(self) -> int:
         """Bytes the values hold while resident, each storage once (a view of another value, such as a
-        transposed weight, holds nothing of its own)."""
+        transposed weight, or of a parameter holds nothing of its own)."""
         return _distinct_bytes(next(n for n in self.gather.graph.nodes if n.op == "output").args[0])
+
+    @property
+    def saved_value_bytes(self) -> int:
+        """Bytes of the forward's saved values (for its backward) that are gathered values, each
+        saved value counted as a stage program's record counts its saved activations: these are
+        held once for the step, not once per micro-batch in flight."""
+        n_saved = sum(n.op == "placeholder" for n in self.backward.graph.nodes) - self.n_values - 1
+        outputs = next(n for n in self.forward.graph.nodes if n.op == "output").args[0]
+        values = set([n for n in self.forward.graph.nodes if n.op == "placeholder"][:self.n_values])
+        return sum(_node_bytes(n) for n in outputs[len(outputs) - n_saved:] if n in values)
 
 
 def _hoistable(node: fx.Node) -> bool:
@@ -194,10 +204,13 @@ def _distinct_bytes(values) -> int:
         while base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload) \
                 and base.target.is_view and base.all_input_nodes:
             base = base.all_input_nodes[0]
-        if base in bases:
+        if base in bases or base.op == "placeholder":  # a parameter's: parameter state already
             continue
         bases.add(base)
-        val = base.meta.get("val")  # a traced graph's; a loaded one records its shape and dtype
-        total += val.numel() * val.element_size() if isinstance(val, torch.Tensor) \
-            else val_bytes(base.meta.get("titan_val"))
+        total += _node_bytes(base)
     return total
+
+
+def _node_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")  # a traced graph's; a loaded one records its shape and dtype
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else val_bytes(node.meta.get("titan_val"))

@@ -7,6 +7,9 @@
 #   NGPU=4 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 2 x tp 2, pp 2 x dp-shard 2, pp 4,
 #                                                       # DeepSeek-V3 pp 2 x ep 2 (1f1b, zbv)
 #   NGPU=8 bash benchmarks/gpu/gpu_pipeline.sh          # also pp 4 x tp 2, pp 8
+# A case's optional fourth field is passed to titan-verify and titan-run (the -permb cases: each
+# stage gathers its dp-shard parameters in every micro-batch, not once per step; compare their step
+# time and peak memory with the case without the suffix).
 # CASES="name ..." runs those only. Each rank's whole step is one CUDA graph (runtime/captured_pipeline.py);
 # the verify and the timing also run with --no-cuda-graphs (op by op) beside it.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
@@ -21,6 +24,10 @@ CASE_LIST=(
   "2|1b-pp2|--flavor 1B --seq-len 2048 --pp 2 --microbatches 8"
   "4|pp2-tp2|$DEBUG --pp 2 --tp 2 --microbatches 4"
   "4|pp2-fsdp2|$DEBUG --pp 2 --dp-shard 2 --microbatches 4"
+  "4|pp2-fsdp2-permb|$DEBUG --pp 2 --dp-shard 2 --microbatches 4|--no-pp-gather-per-step"
+  "4|pp2-fsdp2-zbv|$DEBUG --pp 2 --dp-shard 2 --pp-schedule zbv --microbatches 4"
+  "4|pp2-fsdp2-ac|$DEBUG --pp 2 --dp-shard 2 --microbatches 4 --ac full"
+  "4|pp2-fsdp2-ac-permb|$DEBUG --pp 2 --dp-shard 2 --microbatches 4 --ac full|--no-pp-gather-per-step"
   "4|pp4-1f1b|$DEBUG --pp 4 --microbatches 8"
   "4|ds-pp2-ep2|--model deepseek_v3 --flavor debug --dtype bf16 --pp 2 --ep 2 --microbatches 4"
   "4|ds-pp2-ep2-zbv|--model deepseek_v3 --flavor debug --n-layers 4 --dtype bf16 --pp 2 --ep 2 --pp-schedule zbv --microbatches 4"
@@ -32,21 +39,21 @@ median_step() {  # the median step time of a metrics file, leaving out the first
   python3 -c "import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])][1:]; print(f\"{statistics.median(x['step_time_s'] for x in r[2:])*1e3:.1f} ms\")" "$1" 2>/dev/null
 }
 for entry in "${CASE_LIST[@]}"; do
-  IFS='|' read -r need name build <<< "$entry"
+  IFS='|' read -r need name build opts <<< "$entry"
   [ "$need" -le "$NGPU" ] || continue
   case " ${CASES:-$name} " in *" $name "*) ;; *) continue;; esac
   art=artifacts/gpu-$name
   titan-build $build --out "$art" --replace > "$OUT/build-$name.txt" 2>&1 || { echo "$name: build failed"; tail -3 "$OUT/build-$name.txt"; continue; }
   verdict="-"; verdict_ops="-"
   if [ "$name" != 1b-pp2 ]; then  # the 1B case is timed only (its eager reference is the same code at 1B)
-    timeout 300 titan-verify "$art" --steps 6 --device cuda --deterministic --max-norm 1.0 > "$OUT/verify-$name.txt" 2>&1
+    timeout 300 titan-verify "$art" --steps 6 --device cuda --deterministic --max-norm 1.0 $opts > "$OUT/verify-$name.txt" 2>&1
     verdict="exit $? $(grep -m1 -o '^bitwise equal: [a-z]*' "$OUT/verify-$name.txt")"
-    timeout 300 titan-verify "$art" --steps 6 --device cuda --deterministic --max-norm 1.0 --no-cuda-graphs > "$OUT/verify-ops-$name.txt" 2>&1
+    timeout 300 titan-verify "$art" --steps 6 --device cuda --deterministic --max-norm 1.0 --no-cuda-graphs $opts > "$OUT/verify-ops-$name.txt" 2>&1
     verdict_ops="exit $? $(grep -m1 -o '^bitwise equal: [a-z]*' "$OUT/verify-ops-$name.txt")"
     grep -q '^bitwise equal' "$OUT/verify-$name.txt" || grep -iE 'error|differ' "$OUT/verify-$name.txt" | head -3
   fi
-  timeout 300 titan-run "$art" --steps 12 --device cuda --metrics "$OUT/run-$name.jsonl" > "$OUT/run-$name.txt" 2>&1 || tail -3 "$OUT/run-$name.txt"
-  timeout 300 titan-run "$art" --steps 12 --device cuda --no-cuda-graphs --metrics "$OUT/ops-$name.jsonl" > "$OUT/ops-$name.txt" 2>&1
+  timeout 300 titan-run "$art" --steps 12 --device cuda $opts --metrics "$OUT/run-$name.jsonl" > "$OUT/run-$name.txt" 2>&1 || tail -3 "$OUT/run-$name.txt"
+  timeout 300 titan-run "$art" --steps 12 --device cuda --no-cuda-graphs $opts --metrics "$OUT/ops-$name.jsonl" > "$OUT/ops-$name.txt" 2>&1
   peak=$(grep -o 'peak GPU memory [^;(]*' "$OUT/run-$name.txt" | head -1)
   printf '%-18s %-6s %-24s %-24s %-12s %-12s %s\n' "$name" "$need" "$verdict" "$verdict_ops" "$(median_step "$OUT/run-$name.jsonl" || echo failed)" "$(median_step "$OUT/ops-$name.jsonl" || echo failed)" "$peak" >> "$OUT/pipeline.txt"
   echo "$name done at $(elapsed) s"

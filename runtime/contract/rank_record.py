@@ -206,10 +206,19 @@ class StageIO(StagePlace):
     """The activations it sends on (None: the last stage, which returns its loss)."""
     dtype: str
     """The activations' dtype (the build's compute dtype)."""
+    gathered_bytes: int = 0
+    """What the stage's parameters alone determine (their dp-shard all-gathers, casts and copies),
+    held for the step when it is gathered once per step (runtime/stage_gather.py)."""
+    gathered_saved_bytes: int = 0
+    """Of the record's saved_bytes, the saved values that are gathered ones: held once for the step
+    then, not once per micro-batch in flight."""
 
     def to_json(self) -> dict:
-        return {**self.place_json(), "input_shape": None if self.input_shape is None else list(self.input_shape),
-                "output_shape": None if self.output_shape is None else list(self.output_shape), "dtype": self.dtype}
+        d = {**self.place_json(), "input_shape": None if self.input_shape is None else list(self.input_shape),
+             "output_shape": None if self.output_shape is None else list(self.output_shape), "dtype": self.dtype}
+        if self.gathered_bytes or self.gathered_saved_bytes:  # a stage that gathers nothing reads as before
+            d.update(gathered_bytes=self.gathered_bytes, gathered_saved_bytes=self.gathered_saved_bytes)
+        return d
 
     @staticmethod
     def from_json(d, where: str) -> StageIO:
@@ -229,8 +238,10 @@ class StageIO(StagePlace):
             fail(where, "only the first stage receives no activations and only the last sends none")
         if d.get("dtype") not in ACTIVATION_DTYPES:
             fail(where, f"activation dtype {str(d.get('dtype'))[:20]!r} is not one of {', '.join(ACTIVATION_DTYPES)}")
+        gathered = [check_int(d.get(k, 0), f"{where} {k}", 0, 1 << 62) for k in ("gathered_bytes", "gathered_saved_bytes")]
         return StageIO(index=index, stages=stages, layers=(start, stop), input_shape=shapes[0],
-                       output_shape=shapes[1], dtype=d["dtype"])
+                       output_shape=shapes[1], dtype=d["dtype"], gathered_bytes=gathered[0],
+                       gathered_saved_bytes=gathered[1])
 
     def expected_inputs(self) -> dict[str, int]:
         """How many data inputs of each kind its forward takes."""
