@@ -275,7 +275,7 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         program = PipelineProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                                   load_param=run_state.load_param, load_buffer=run_state.load_buffer,
                                   params_from=run_state.params_from(), artifact_kernels=trusted,
-                                  gather_per_step=cfg.pp_gather_per_step)
+                                  gather_per_step=cfg.pp_gather_per_step, reduce_per_step=cfg.pp_reduce_per_step)
     else:
         program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                                micro_batches=recipe.micro_batches, load_param=run_state.load_param,

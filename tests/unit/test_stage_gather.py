@@ -1,7 +1,8 @@
-"""runtime/stage_gather.py: a stage's graphs cut into a once-per-step gather of what its
-parameters alone determine and per-micro-batch compute parts compute exactly (torch.equal) what
-the stored graphs compute; a backward's recomputation of a gathered value reads the forward's
-instead of computing it again. (With dp-shard all-gathers, bitwise against torch's pipelining:
+"""runtime/stage_gather.py and stage_reduce.py: a stage's graphs cut into a once-per-step gather
+of what its parameters alone determine and per-micro-batch compute parts compute exactly
+(torch.equal) what the stored graphs compute; a backward's recomputation of a gathered value reads the forward's
+instead of computing it again; a backward cut at its reduce-scatters hands the unsharded buckets
+to a once-per-step reduce part. (With dp-shard all-gathers, bitwise against torch's pipelining:
 e2e/test_pipeline_artifacts.py.)"""
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from titan.builder.trace.stage_trace import trace_stage
 from titan.runtime.backward_split import split_backward
 from titan.runtime.contract.graph_decode import load_graph
 from titan.runtime.stage_gather import count_collectives, gather_once
+from titan.runtime.stage_reduce import reduce_once
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 CFG = dataclasses.replace(FLAVORS["debug"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512)
 ROWS, SEQ = 2, 16
 
@@ -91,3 +94,34 @@ def test_a_backward_recomputing_a_gathered_value_reads_the_forwards():
     grad_w, grad_x = cut.backward(*values, *saved, grad_y)
     assert torch.equal(grad_x, grad_y @ (w * 2).t()) and torch.equal(grad_w, x.t() @ grad_y)
     assert count_collectives(cut.gather) == {}
+
+
+def _backward_with_a_reduce_scatter(after) -> fx.GraphModule:
+    """(saved x, grad_y) -> (grad of w: reduce-scattered x^T grad_y, then `after`; grad of x)."""
+    g = fx.Graph()
+    x, grad_y = g.placeholder("x"), g.placeholder("grad_y")
+    bucket = g.call_function(aten.view.default, (g.call_function(aten.mm.default, (g.call_function(aten.t.default, (x,)),
+                                                                                  grad_y)), [-1]))
+    reduced = g.call_function(c10d.wait_tensor.default,
+                              (g.call_function(c10d.reduce_scatter_tensor.default, (bucket, "sum", 2, "dp_shard")),))
+    grad_x = g.call_function(aten.mm.default, (grad_y, x))
+    g.output((after(g, reduced), grad_x))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+
+def test_reducing_once_per_step_moves_the_reduce_scatters_and_what_cuts_their_results():
+    cut = reduce_once(_backward_with_a_reduce_scatter(lambda g, r: g.call_function(aten.view.default, (r, [2, 4]))),
+                      n_params=1)
+    assert cut.n_partials == 1  # the unsharded bucket, summed over the micro-batches
+    assert count_collectives(cut.compute) == {} and count_collectives(cut.reduce) == {"reduce-scatter": 1}
+    out = next(n for n in cut.compute.graph.nodes if n.op == "output").args[0]
+    assert out[1] is None and out[0].target is aten.view.default and out[2].target is aten.mm.default
+    assert [n.target for n in cut.reduce.graph.nodes if n.op == "call_function"] == [
+        c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default, aten.view.default]
+    assert reduce_once(fx.symbolic_trace(lambda x: (x * 2,)), n_params=1) is None  # nothing to reduce
+
+
+def test_reducing_once_per_step_is_refused_where_a_reduced_gradient_is_not_cut_linearly():
+    with pytest.raises(ValueError, match="cannot wait for the step's last micro-batch"):
+        reduce_once(_backward_with_a_reduce_scatter(lambda g, r: g.call_function(aten.mul.Tensor, (r, r))), n_params=1)
