@@ -90,7 +90,8 @@ class GraphStage:
         micro-batch order) from the backward's first outputs."""
         partials, grads = outputs[:self.n_partials], outputs[self.n_partials:self.n_partials + len(self.params)]
         if self.n_partials and self.partials is None:
-            self.partials = [p if p.is_contiguous() else p.contiguous() for p in partials]
+            # Own copies: a partial a graph returns may share memory with what else it returns.
+            self.partials = [p.clone(memory_format=torch.contiguous_format) for p in partials]
         elif self.n_partials:
             for total, p in zip(self.partials, partials):
                 total.add_(p)

@@ -93,6 +93,12 @@ def _derived(graph: fx.Graph, roots: set[fx.Node]) -> list[fx.Node]:
     return out
 
 
+def _read_by_the_rest(moved: list[fx.Node]) -> list[fx.Node]:
+    """The moved nodes that a node left in place (or the graph's output) reads."""
+    moved_set = set(moved)
+    return [n for n in moved if any(u not in moved_set for u in n.users)]
+
+
 def _key(node: fx.Node, env: dict[fx.Node, fx.Node]):
     """What a copied node computes: its op and its (mapped) arguments, hashable."""
     def frozen(a):
@@ -166,11 +172,7 @@ def gather_once(forward: fx.GraphModule, backward: fx.GraphModule, *, n_params: 
     for n in bw_moved:
         copy(n, bw_env)
 
-    def read_by_rest(graph_module: fx.GraphModule, moved: list[fx.Node]) -> list[fx.Node]:
-        moved_set = set(moved)
-        return [n for n in moved if any(u not in moved_set for u in n.users)]
-
-    fw_read, bw_read = read_by_rest(forward, fw_moved), read_by_rest(backward, bw_moved)
+    fw_read, bw_read = _read_by_the_rest(fw_moved), _read_by_the_rest(bw_moved)
     outputs: list[fx.Node] = []
     index: dict[fx.Node, int] = {}
     for new in [env[n] for n in fw_read] + [bw_env[n] for n in bw_read]:
