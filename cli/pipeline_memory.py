@@ -30,8 +30,8 @@ def pipeline_memory_lines(art: Artifact) -> list[str]:
             per_microbatch = record.saved_bytes - record.stage.gathered_saved_bytes
             gathered += record.stage.gathered_bytes
             activations += per_microbatch * held
-            parts.append(f"stage {s} " + (f"{record.stage.gathered_bytes / GIB:.2f} GiB gathered + "
-                                          if record.stage.gathered_bytes else "") + f"{per_microbatch / GIB:.2f} GiB x {held}")
+            held_once = f"{record.stage.gathered_bytes / GIB:.2f} GiB gathered + " if record.stage.gathered_bytes else ""
+            parts.append(f"stage {s} {held_once}{per_microbatch / GIB:.2f} GiB x {held}")
         gathered_any |= gathered > 0
         total = (state + gathered + activations) / GIB
         fits = ", ".join(f"{'fits' if total <= size else 'does not fit'} {name}" for name, size in GPUS)

@@ -238,7 +238,8 @@ class StageIO(StagePlace):
             fail(where, "only the first stage receives no activations and only the last sends none")
         if d.get("dtype") not in ACTIVATION_DTYPES:
             fail(where, f"activation dtype {str(d.get('dtype'))[:20]!r} is not one of {', '.join(ACTIVATION_DTYPES)}")
-        gathered = [check_int(d.get(k, 0), f"{where} {k}", 0, 1 << 62) for k in ("gathered_bytes", "gathered_saved_bytes")]
+        gathered = [check_int(d.get(k, 0), f"{where} {k}", 0, 1 << 62)
+                    for k in ("gathered_bytes", "gathered_saved_bytes")]
         return StageIO(index=index, stages=stages, layers=(start, stop), input_shape=shapes[0],
                        output_shape=shapes[1], dtype=d["dtype"], gathered_bytes=gathered[0],
                        gathered_saved_bytes=gathered[1])
