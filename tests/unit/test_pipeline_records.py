@@ -83,6 +83,12 @@ def test_a_stage_record_reads_back_and_says_what_it_takes():
     first = StageIO.from_json(_stage(index=0, input_shape=None), "p")
     last = StageIO.from_json(_stage(index=2, output_shape=None), "p")
     assert first.expected_inputs()["tokens"] == 1 and last.expected_inputs()["labels"] == 1
+    # What its gathered parameters hold (titan-run gathers them once per step) reads back; a record
+    # written without it reads as holding nothing.
+    assert io.gathered_bytes == io.gathered_saved_bytes == 0 and "gathered_bytes" not in io.to_json()
+    gathered = StageIO.from_json(_stage(gathered_bytes=4096, gathered_saved_bytes=1024), "p")
+    assert (gathered.gathered_bytes, gathered.gathered_saved_bytes) == (4096, 1024)
+    assert StageIO.from_json(gathered.to_json(), "p") == gathered
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -93,6 +99,7 @@ def test_a_stage_record_reads_back_and_says_what_it_takes():
     (dict(layers=[4, 4]), "stage layers: expected an integer in [5, 65536], got 4"),
     (dict(dtype="float64"), "activation dtype 'float64' is not one of float32, bfloat16"),
     (dict(input_shape=[2, -1, 256]), "input_shape"),
+    (dict(gathered_bytes=-1), "gathered_bytes: expected an integer"),
 ])
 def test_a_stage_record_titan_build_would_not_write_is_refused(changes, message):
     with pytest.raises(ValueError) as e:
