@@ -49,6 +49,8 @@ def main(artifact, trust_keys, trust_unsigned_kernels, **values):
         art = _announce(artifact, cfg.device, options=options, data=cfg.data, checkpoint_dir=cfg.checkpoint_dir,
                         resume=cfg.resume, init_from_hf=cfg.init_from_hf, metrics=cfg.metrics,
                         tensorboard=cfg.tensorboard)
+        if cfg.pp_reduce_per_step and art.manifest.pipeline is None:
+            raise ValueError("--pp-reduce-per-step applies to a pipeline artifact (titan-build --pp); drop it")
         with Phases(click.echo)("checking the artifact's files and the run's options (importing torch first)"):
             from titan.runtime.launch import check_run
             origin, notes = check_run(art, cfg)

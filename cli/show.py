@@ -33,6 +33,10 @@ def main(artifact, rank, graph, stage):
     click.echo(f"attention: {describe_attention(art.manifest.model_config)}")
     for line in list_rank_plan(art, rank):
         click.echo(line)
+    if held:
+        from titan.cli.tools.pipeline_collectives import pipeline_collective_lines
+        for line in pipeline_collective_lines(art, rank):
+            click.echo(line)
     kinds = {"fw": ["forward"], "bw": ["backward"], "all": ["forward", "backward"]}[graph]
     for kind in kinds:
         for line in list_graph(art, rank, kind, stage=stage):

@@ -19,7 +19,7 @@ from titan.runtime.run_config import RunConfig
 VERIFY_FIELDS = ("steps", "lr", "warmup_steps", "decay_type", "decay_ratio", "min_lr_factor", "beta1", "beta2", "eps",
                  "weight_decay", "max_norm", "accumulation_steps", "global_batch_size", "val_data", "val_every",
                  "val_steps", "seed", "data", "data_dtype",
-                 "device", "deterministic", "cuda_graphs", "fused_adamw")
+                 "device", "deterministic", "cuda_graphs", "fused_adamw", "pp_gather_per_step")
 """The run options that decide what is trained (the rest of titan-run's do not apply)."""
 
 

@@ -25,6 +25,8 @@ from titan.runtime.init import materialize
 from titan.runtime.kernels.fusion import compile_program_regions
 from titan.runtime.pipeline_executor import run_pipeline_step
 from titan.runtime.pipeline_stage import GraphStage
+from titan.runtime.stage_gather import StageGather, gather_once
+from titan.runtime.stage_reduce import StageReduce, reduce_once
 from titan.runtime.rank_graphs import load_rank_graphs
 from titan.runtime.startup import rank_phases
 
@@ -37,14 +39,21 @@ class PipelineProgram:
     def __init__(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, seed: int,
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None, params_from: str = "seeded init",
                  load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None,
-                 artifact_kernels: bool = False):
+                 artifact_kernels: bool = False, gather_per_step: bool = True, reduce_per_step: bool = False):
         """`artifact_kernels`: whether the artifact's own kernels are trusted (kernels_trusted);
+        `gather_per_step`: each stage gathers its parameters once per step and holds them until its
+        last backward (runtime/stage_gather.py; bitwise the same), not in every micro-batch's
+        forward (and recomputation) as its stored graphs do; `reduce_per_step`: each stage sums its
+        unsharded gradients over the step's micro-batches and reduce-scatters them once, after its
+        last backward (runtime/stage_reduce.py: the numerics change);
         `load_buffer`: a model buffer's initial value (None: zeros; runtime/buffer_state.py)."""
         manifest = artifact.manifest
         self.schedule = manifest.pipeline.schedule
         self.layout, self.rank, self.device = artifact.layout, rank, device
         self.records: dict[int, RankRecord] = {}
         self.graphs = {}
+        self.gathers: dict[int, StageGather] = {}
+        self.reduces: dict[int, StageReduce] = {}
         self.fusion = None
         """The first stage's compiled regions, if it has any (its line is what titan-run prints)."""
         phases = rank_phases()
@@ -57,6 +66,12 @@ class PipelineProgram:
                 # Each micro-batch in flight holds its own saved activations (the schedule's peak).
                 check_device(estimate_from_graphs(record, forward, backward, dense_flex=device.type != "cuda"),
                              device, name=f"{artifact.root} rank {rank} stage {s}")
+                if gather_per_step:
+                    self.gathers[s] = gather_once(forward, backward, n_params=len(record.params))
+                    forward, backward = self.gathers[s].forward, self.gathers[s].backward
+                if reduce_per_step and (cut := reduce_once(backward, n_params=len(record.params))) is not None:
+                    self.reduces[s] = cut
+                    backward = cut.compute
                 stats = compile_program_regions(forward, backward, device,
                                                 artifact_kernel=artifact.kernel if artifact_kernels else None)
                 self.fusion = self.fusion or stats
@@ -97,7 +112,8 @@ class PipelineProgram:
         return GraphStage(forward=forward, backward=backward, params=self.stage_params[s], inputs=kinds, tokens=(),
                           labels=(), activation_shape=io.input_shape or io.output_shape,
                           dtype=getattr(torch, io.dtype), device=self.device, buffers=buffers,
-                          updated=[self.buffers.tensors[fqn] for fqn in record.mutated_buffers])
+                          updated=[self.buffers.tensors[fqn] for fqn in record.mutated_buffers],
+                          gathered=self.gathers.get(s), reduced=self.reduces.get(s))
 
     @torch.no_grad()
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

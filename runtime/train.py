@@ -274,7 +274,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         from titan.runtime.pipeline_program import PipelineProgram
         program = PipelineProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                                   load_param=run_state.load_param, load_buffer=run_state.load_buffer,
-                                  params_from=run_state.params_from(), artifact_kernels=trusted)
+                                  params_from=run_state.params_from(), artifact_kernels=trusted,
+                                  gather_per_step=cfg.pp_gather_per_step, reduce_per_step=cfg.pp_reduce_per_step)
     else:
         program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                                micro_batches=recipe.micro_batches, load_param=run_state.load_param,

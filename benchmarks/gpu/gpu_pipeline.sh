@@ -11,6 +11,10 @@
 #                                                       # FlexAttention stages (issue 31): the document
 #                                                       # mask on a token file of random documents
 #                                                       # (boundaries elsewhere in every micro-batch)
+#   NGPU=4 CASES="pp2-fsdp2 pp2-fsdp2-permb pp2-fsdp2-zbv pp2-fsdp2-ac pp2-fsdp2-ac-permb" bash benchmarks/gpu/gpu_pipeline.sh
+#                                                       # dp-shard stages gathered once per step; the -permb
+#                                                       # twins gather in every micro-batch (compare step
+#                                                       # time and peak memory)
 # CASES="name ..." runs those only. Each rank's whole step is one CUDA graph (runtime/captured_pipeline.py);
 # the verify and the timing also run with --no-cuda-graphs (op by op) beside it. A case's fourth
 # field is what its verify and runs add (the document cases' --data).
@@ -35,6 +39,10 @@ CASE_LIST=(
   "4|pp2-tp2-flexdoc|$FLEX --mask document --eos-id 2047 --pp 2 --tp 2 --microbatches 4|--data $DOCS"
   "4|pp2-tp2|$DEBUG --pp 2 --tp 2 --microbatches 4"
   "4|pp2-fsdp2|$DEBUG --pp 2 --dp-shard 2 --microbatches 4"
+  "4|pp2-fsdp2-permb|$DEBUG --pp 2 --dp-shard 2 --microbatches 4|--no-pp-gather-per-step"
+  "4|pp2-fsdp2-zbv|$DEBUG --pp 2 --dp-shard 2 --pp-schedule zbv --microbatches 4"
+  "4|pp2-fsdp2-ac|$DEBUG --pp 2 --dp-shard 2 --microbatches 4 --ac full"
+  "4|pp2-fsdp2-ac-permb|$DEBUG --pp 2 --dp-shard 2 --microbatches 4 --ac full|--no-pp-gather-per-step"
   "4|pp4-1f1b|$DEBUG --pp 4 --microbatches 8"
   "4|ds-pp2-ep2|--model deepseek_v3 --flavor debug --dtype bf16 --pp 2 --ep 2 --microbatches 4"
   "4|ds-pp2-ep2-zbv|--model deepseek_v3 --flavor debug --n-layers 4 --dtype bf16 --pp 2 --ep 2 --pp-schedule zbv --microbatches 4"

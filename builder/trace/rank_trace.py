@@ -33,6 +33,7 @@ from titan.builder.trace.rank_progress import report
 from titan.runtime.contract.graph_encode import encode_graph
 from titan.runtime.contract.layout import mesh_dims_by_group
 from titan.runtime.contract.rank_record import BufferSpec, GraphInput, RankRecord, StageIO
+from titan.runtime.stage_gather import gather_once
 
 PARTITION_FNS = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
 
@@ -184,7 +185,8 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     meta = _rank_meta(job, family.init_specs(cfg), coords, shards, joint_inputs, fw, bw,
                       mutated=mutated, buffer_metric=family.buffer_metric)
     meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan), model_plan=model_plan,
-                   stage=None if build.stage is None else stage_io(build, examples, data_kinds, fw, len(mutated)))
+                   stage=None if build.stage is None else stage_io(build, examples, data_kinds, fw, bw, len(mutated),
+                                                                      len(meta.params)))
     t_end = time.perf_counter()
     return RankResult(rank=rank, depth=depth, forward=fw_blob, backward=bw_blob, meta=meta,
                       timings={"export_s": t_export - t0, "partition_s": t_partition - t_export,
@@ -215,17 +217,21 @@ def _traced_module(build, model: torch.nn.Module) -> tuple[torch.nn.Module, tupl
     return (module, examples + (labels,), kinds + ("labels",)) if stage.last else (module, examples, kinds)
 
 
-def stage_io(build, examples: tuple, data_kinds: tuple[str, ...], fw: fx.GraphModule, n_updates: int) -> StageIO:
-    """A traced stage's place in the pipeline and the activations it receives and sends (what
-    its forward returns after the buffer updates, unless it is the last)."""
+def stage_io(build, examples: tuple, data_kinds: tuple[str, ...], fw: fx.GraphModule, bw: fx.GraphModule,
+             n_updates: int, n_params: int) -> StageIO:
+    """A traced stage's place in the pipeline, the activations it receives and sends (what its
+    forward returns after the buffer updates, unless it is the last) and what its gathered values
+    hold when titan-run gathers them once per step (runtime/stage_gather.py)."""
     stage = build.stage
     received = examples[data_kinds.index("activations")] if "activations" in data_kinds else None
     sent = None if stage.last else next(n for n in fw.graph.nodes if n.op == "output").args[0][n_updates].meta["val"]
     dtype = str((received if received is not None else sent).dtype).removeprefix("torch.")
+    gathered = gather_once(fw, bw, n_params=n_params)
     return StageIO(index=stage.index, stages=stage.stages, layers=stage.layers,
                    input_shape=None if received is None else tuple(received.shape),
                    output_shape=None if sent is None else tuple(sent.shape), dtype=dtype,
-                   reads_tokens=not stage.first and "tokens" in data_kinds)
+                   reads_tokens=not stage.first and "tokens" in data_kinds,
+                   gathered_bytes=gathered.resident_bytes, gathered_saved_bytes=gathered.saved_value_bytes)
 
 
 def mutated_buffers(gm: fx.GraphModule) -> list[str]:

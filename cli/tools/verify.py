@@ -110,7 +110,8 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
         program = GraphProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                                micro_batches=recipe.micro_batches, artifact_kernels=trusted)
     else:
-        program = PipelineProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed, artifact_kernels=trusted)
+        program = PipelineProgram(art, env.rank, device=device, mesh=mesh, seed=cfg.seed, artifact_kernels=trusted,
+                                  gather_per_step=cfg.pp_gather_per_step)
     if program.fusion is not None and env.rank == 0:
         print(program.fusion.line(), flush=True)
     if device.type == "cuda" and m.model_config.get("attention") == "flex" and env.rank == 0:

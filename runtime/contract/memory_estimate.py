@@ -106,10 +106,10 @@ def estimate_from_record(record: RankRecord) -> MemoryEstimate:
                           activations=record.saved_bytes)
 
 
-def _val_bytes(val) -> int:
+def val_bytes(val) -> int:
     """Bytes of a node's recorded result (graph_decode.py bounds its shape)."""
     if isinstance(val, list):
-        return sum(_val_bytes(v) for v in val)
+        return sum(val_bytes(v) for v in val)
     if isinstance(val, dict) and isinstance(val.get("shape"), list):
         return math.prod(val["shape"]) * _DTYPE_BYTES.get(val.get("dtype"), 8)
     return 0
@@ -122,9 +122,9 @@ def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: 
     `dense_flex`: whether the flex op runs its dense kernel (the CPU's; on a GPU its fused kernels
     hold no score-sized workspace: runtime/kernels/flex_kernels.py)."""
     fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
-    saved = sum(_val_bytes(n.meta.get("titan_val")) for n in fw_out[len(record.mutated_buffers) + 1:]
+    saved = sum(val_bytes(n.meta.get("titan_val")) for n in fw_out[len(record.mutated_buffers) + 1:]
                 if n is not None)
-    largest = max((_val_bytes(n.meta.get("titan_val")) for g in (forward, backward) for n in g.graph.nodes
+    largest = max((val_bytes(n.meta.get("titan_val")) for g in (forward, backward) for n in g.graph.nodes
                    if n.op == "call_function"), default=0)
     return MemoryEstimate(param_elements=param_elements(record), buffers=_buffer_bytes(record),
                           activations=max(saved, largest),

@@ -210,11 +210,20 @@ class StageIO(StagePlace):
     """A stage past the first that also takes the micro-batch's tokens (the document mask computes
     each token's document from them inside the step; docs/pipeline.md). Written only when set:
     a record written before reads as False."""
+    gathered_bytes: int = 0
+    """What the stage's parameters alone determine (their dp-shard all-gathers, casts and copies),
+    held for the step when it is gathered once per step (runtime/stage_gather.py)."""
+    gathered_saved_bytes: int = 0
+    """Of the record's saved_bytes, the saved values that are gathered ones: held once for the step
+    then, not once per micro-batch in flight."""
 
     def to_json(self) -> dict:
         d = {**self.place_json(), "input_shape": None if self.input_shape is None else list(self.input_shape),
              "output_shape": None if self.output_shape is None else list(self.output_shape), "dtype": self.dtype}
-        return {**d, "reads_tokens": True} if self.reads_tokens else d
+        d = {**d, "reads_tokens": True} if self.reads_tokens else d
+        if self.gathered_bytes or self.gathered_saved_bytes:  # a stage that gathers nothing reads as before
+            d.update(gathered_bytes=self.gathered_bytes, gathered_saved_bytes=self.gathered_saved_bytes)
+        return d
 
     @staticmethod
     def from_json(d, where: str) -> StageIO:
@@ -237,8 +246,11 @@ class StageIO(StagePlace):
         reads_tokens = d.get("reads_tokens", False)
         if not isinstance(reads_tokens, bool) or (reads_tokens and index == 0):
             fail(where, "reads_tokens must be true or false, and true only past the first stage")
+        gathered = [check_int(d.get(k, 0), f"{where} {k}", 0, 1 << 62)
+                    for k in ("gathered_bytes", "gathered_saved_bytes")]
         return StageIO(index=index, stages=stages, layers=(start, stop), input_shape=shapes[0],
-                       output_shape=shapes[1], dtype=d["dtype"], reads_tokens=reads_tokens)
+                       output_shape=shapes[1], dtype=d["dtype"], reads_tokens=reads_tokens,
+                       gathered_bytes=gathered[0], gathered_saved_bytes=gathered[1])
 
     def expected_inputs(self) -> dict[str, int]:
         """How many data inputs of each kind its forward takes."""

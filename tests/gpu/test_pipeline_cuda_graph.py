@@ -53,3 +53,20 @@ def test_flex_document_pipeline_captured_bitwise_equal_to_eager_pipeline(schedul
     op_by_op = _verify(art, tmp_path, "nograph", "--no-cuda-graphs", "--data", data)
     assert captured["bitwise_equal"] and op_by_op["bitwise_equal"]
     assert captured["artifact"] == op_by_op["artifact"] == captured["eager"]
+
+
+@pytest.mark.gpu(count=4)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_dp_shard_stages_gathered_once_per_step_captured_bitwise_equal_to_eager_pipeline(schedule, tmp_path):
+    """pp 2 x dp-shard 2 on four GPUs: each stage's parameters all-gathered once per step
+    (runtime/stage_gather.py, inside the captured step) bitwise equal to eager SimpleFSDP gathering
+    in every micro-batch, with the graph and without it, and to the stored graphs run as they are."""
+    art = tmp_path / f"pp2-fsdp2-{schedule}"
+    r = titan("build", "--flavor", "debug", "--n-layers", 8, "--dtype", "bf16", "--pp", 2, "--dp-shard", 2,
+              "--pp-schedule", schedule, "--microbatches", 4, "--out", art)
+    assert r.returncode == 0, r.stderr
+    captured = _verify(art, tmp_path, "graph")
+    op_by_op = _verify(art, tmp_path, "nograph", "--no-cuda-graphs")
+    per_microbatch = _verify(art, tmp_path, "permb", "--no-pp-gather-per-step")
+    assert captured["bitwise_equal"] and op_by_op["bitwise_equal"] and per_microbatch["bitwise_equal"]
+    assert captured["artifact"] == op_by_op["artifact"] == per_microbatch["artifact"] == captured["eager"]

@@ -83,6 +83,12 @@ def test_a_stage_record_reads_back_and_says_what_it_takes():
     first = StageIO.from_json(_stage(index=0, input_shape=None), "p")
     last = StageIO.from_json(_stage(index=2, output_shape=None), "p")
     assert first.expected_inputs()["tokens"] == 1 and last.expected_inputs()["labels"] == 1
+    # What its gathered parameters hold (titan-run gathers them once per step) reads back; a record
+    # written without it reads as holding nothing.
+    assert io.gathered_bytes == io.gathered_saved_bytes == 0 and "gathered_bytes" not in io.to_json()
+    gathered = StageIO.from_json(_stage(gathered_bytes=4096, gathered_saved_bytes=1024), "p")
+    assert (gathered.gathered_bytes, gathered.gathered_saved_bytes) == (4096, 1024)
+    assert StageIO.from_json(gathered.to_json(), "p") == gathered
     assert "reads_tokens" not in io.to_json()  # written only when set: a record from before reads the same
 
 
@@ -102,6 +108,7 @@ def test_a_later_stage_under_the_document_mask_takes_the_tokens_too():
     (dict(input_shape=[2, -1, 256]), "input_shape"),
     (dict(reads_tokens=1), "reads_tokens must be true or false, and true only past the first stage"),
     (dict(index=0, input_shape=None, reads_tokens=True), "reads_tokens must be true or false, and true only past"),
+    (dict(gathered_bytes=-1), "gathered_bytes: expected an integer"),
 ])
 def test_a_stage_record_titan_build_would_not_write_is_refused(changes, message):
     with pytest.raises(ValueError) as e:
