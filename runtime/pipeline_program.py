@@ -46,7 +46,7 @@ class PipelineProgram:
         self.records: dict[int, RankRecord] = {}
         self.graphs = {}
         self.fusion = None
-        """The first stage's compiled regions, if it has any (its line is what titan-run prints)."""
+        """The compiled regions of this rank's stages, counted together (the line titan-run prints)."""
         phases = rank_phases()
         held = manifest.stages_of(rank)
         with phases(f"rank {rank}: loading and checking its stage program(s) {', '.join(map(str, held))}",
@@ -57,9 +57,9 @@ class PipelineProgram:
                 # Each micro-batch in flight holds its own saved activations (the schedule's peak).
                 check_device(estimate_from_graphs(record, forward, backward, dense_flex=device.type != "cuda"),
                              device, name=f"{artifact.root} rank {rank} stage {s}")
-                stats = compile_program_regions(forward, backward, device,
-                                                artifact_kernel=artifact.kernel if artifact_kernels else None)
-                self.fusion = self.fusion or stats
+                self.fusion = compile_program_regions(forward, backward, device, stats=self.fusion,
+                                                      artifact_kernel=artifact.kernel if artifact_kernels else None
+                                                      ) or self.fusion
                 self.records[s], self.graphs[s] = record, (forward, backward)
         with phases(f"rank {rank}: materializing its parameters ({params_from})", short="parameters"):
             load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))

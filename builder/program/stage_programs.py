@@ -1,7 +1,8 @@
 """A pipeline build's programs: each stage is traced and cached as a build of its own
 (BuildSpec.stage_builds: one program with bindings per stage, on the layout without pp), and the
 artifact puts them together: every stage's programs in one list, the program of each stage on
-each rank of the stage's block, and the schedule every pp rank runs (docs/pipeline.md)."""
+each rank of the stage's block, the schedule every pp rank runs (docs/pipeline.md), and the
+compiled kernels each stage's entry records (titan-build --kernels)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,26 @@ def pipeline_entry(spec: BuildSpec, stage_entries: list[dict], *, cache: Cache, 
     rank_programs = [stage_programs[schedule.stage_rank.index(layout.coordinates(rank)["pp"])][rank % per_stage]
                      for rank in range(layout.world_size)]
     pipeline = {"schedule": schedule.to_json(), "stage_programs": stage_programs}
-    return {"key": key, "programs": programs, "rank_programs": rank_programs,
+    # Stages of one size share regions: one key, one kernel.
+    kernels = {k: sha for entry in stage_entries for k, sha in entry.get("kernels", {}).items()}
+    return {"key": key, "programs": programs, "rank_programs": rank_programs, "kernels": kernels,
             "manifest": dict(manifest, pipeline=pipeline)}
+
+
+def pipeline_artifact_entry(spec: BuildSpec, *, cache: Cache) -> dict:
+    """pipeline_entry of a build whose stages are all in the cache (titan-build --kernels
+    exports it again once it has recorded the stages' kernels)."""
+    from titan.builder.export.manifest import manifest_fields
+    from titan.builder.spec.cache_key import build_factors, digest
+
+    entries = []
+    for stage in spec.stage_builds():
+        entry, why = cache.get_entry(digest(build_factors(stage)))
+        if entry is None:
+            raise ValueError(f"the cache entry of pipeline stage {stage.stage.index} is gone ({why}); build again")
+        entries.append(entry)
+    factors = build_factors(spec)
+    return pipeline_entry(spec, entries, cache=cache, key=digest(factors), manifest=manifest_fields(spec, factors))
 
 
 def _stage_io(cache: Cache, entry: dict) -> StageIO:
