@@ -225,10 +225,6 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     check_capacity(family, shaped, moe_capacity, moe_drop)
     pipeline = make_pipeline(model=model, cfg=shaped, layout=layout, seq_len=seq_len, schedule=pp_schedule,
                              microbatches=microbatches, split=pp_split, stages_per_rank=pp_stages_per_rank)
-    if pipeline is not None and moe_capacity is not None and not moe_drop:
-        raise ValueError("--moe-capacity with --pp: pipeline stages carry no dropless redo program yet, so a bounded "
-                         "dispatch cannot stay dropless; add --moe-drop (drop and pad: numerics change), or drop "
-                         "--moe-capacity (dropless), or use --pp 1")
     if pipeline is not None and mask == "document":
         # A stage past the first receives activations, not the tokens the document ids come from.
         raise ValueError("--mask document with --pp: pipeline stages do not carry document ids yet; use --mask causal "
