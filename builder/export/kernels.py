@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 class GraphSource:
     """One graph whose regions are compiled: read from the cache or the artifact, and bound to a
     rank's coordinates where it is a program with bindings (a pipeline stage's)."""
-    name: tuple
-    """What tells it apart from the others (its sha256, and the coordinates it is bound to)."""
     read: Callable[[], bytes]
     coords: dict[str, int] | None = None
 
@@ -49,7 +47,7 @@ def entry_graphs(cache: Cache, entry: dict) -> list[GraphSource]:
         for sha in (record["forward"], record["backward"]):
             if sha not in seen:
                 seen.add(sha)
-                out.append(GraphSource(name=(sha,), read=lambda sha=sha: cache.read_blob(sha)))
+                out.append(GraphSource(read=lambda sha=sha: cache.read_blob(sha)))
     return out
 
 
@@ -70,10 +68,10 @@ def stage_graphs(art, stage: int) -> list[GraphSource]:
         files = art.rank_entry(rank, stage=stage)
         coords = art.rank_coordinates(rank)
         for rel in (files.forward, files.backward):
-            name = (art.manifest.files[rel], tuple(sorted(coords.items())))
-            if name not in seen:
-                seen.add(name)
-                out.append(GraphSource(name=name, read=lambda rel=rel: art.read_verified(rel), coords=coords))
+            bound = (art.manifest.files[rel], tuple(sorted(coords.items())))  # a graph and its binding
+            if bound not in seen:
+                seen.add(bound)
+                out.append(GraphSource(read=lambda rel=rel: art.read_verified(rel), coords=coords))
     return out
 
 
