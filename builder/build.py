@@ -101,14 +101,42 @@ def build(spec: BuildSpec, out: Path, *, cache: Cache, jobs: int, progress=lambd
                         redo=redo_fields)
 
 
-def _pipeline_build(spec: BuildSpec, out: Path, *, on_miss, on_stage: Callable[[int, str], None], **kw) -> BuildOutcome:
+def _pipeline_build(spec: BuildSpec, out: Path, *, on_miss, **kw) -> BuildOutcome:
     """A pipeline build: each stage is a build of its own (traced, or found, in the cache), put
-    together with the schedule (builder/program/stage_programs.py). A run of middle stages of the
-    same size is traced at its ends, and the stages between get the first's programs relabeled
-    (builder/program/stage_relabel.py) when that reproduces the last's trace exactly. A rank the
-    progress lines name is a global rank: the stage's pp rank's block + its rank in the block."""
+    together with the schedule (builder/program/stage_programs.py). A bounded MoE dispatch that
+    redoes overflows (`spec.moe_redo`) carries each stage's dropless build beside its bounded one
+    (the dropless pipeline's stages: the same cache entries)."""
     from titan.builder.program.stage_programs import pipeline_entry
 
+    parts, notes = _stage_parts(spec, on_miss=on_miss, **kw)
+    redo = []
+    if spec.moe_redo:
+        redo, redo_notes = _stage_parts(spec.dropless(), **kw,
+                                        on_miss=lambda why: on_miss(f"the dropless programs it carries: {why}"))
+        notes += [f"dropless: {n}" for n in redo_notes]
+    factors = build_factors(spec)
+    key = digest(factors)
+    entry = pipeline_entry(spec, [p.entry for p in parts], cache=kw["cache"], key=key,
+                           manifest=manifest_fields(spec, factors), redo_entries=[p.entry for p in redo])
+    manifest = export_artifact(kw["cache"], entry, out)
+    record = spec.pipeline.schedule_record()
+    per_stage = spec.layout.world_size // spec.layout.pp
+    both = parts + redo
+    reason = "; ".join(f"stage {i % len(parts)}{' (dropless)' if i >= len(parts) else ''}: {p.reason}"
+                       for i, p in enumerate(both) if p.reason)
+    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason,
+                        traced=sorted({record.stage_rank[i % len(parts)] * per_stage + r for i, p in enumerate(both)
+                                       for r in p.traced}),
+                        traces=sum(p.traces for p in both), note="; ".join(notes) if reason else "")
+
+
+def _stage_parts(spec: BuildSpec, *, on_miss, on_stage: Callable[[int, str], None],
+                 **kw) -> tuple[list[_Cached], list[str]]:
+    """Each stage's cache entry, in stage order, and how they were made. A run of middle stages
+    of the same size is traced at its ends, and the stages between get the first's programs
+    relabeled (builder/program/stage_relabel.py) when that reproduces the last's trace exactly.
+    A rank the progress lines name is a global rank: the stage's pp rank's block + its rank in
+    the block."""
     record = spec.pipeline.schedule_record()
     per_stage = spec.layout.world_size // spec.layout.pp
     stage_specs = spec.stage_builds()
@@ -144,19 +172,7 @@ def _pipeline_build(spec: BuildSpec, out: Path, *, on_miss, on_stage: Callable[[
         else:
             notes.append(f"stages {run[0]}-{run[-1]} traced one by one (stage {run[0]} relabeled is not stage "
                          f"{run[-1]}'s trace)")
-    for s in range(len(stage_specs)):
-        cached(s)
-    parts_in_order = [parts[s] for s in range(len(stage_specs))]
-    factors = build_factors(spec)
-    key = digest(factors)
-    entry = pipeline_entry(spec, [p.entry for p in parts_in_order], cache=kw["cache"], key=key,
-                           manifest=manifest_fields(spec, factors))
-    manifest = export_artifact(kw["cache"], entry, out)
-    reason = "; ".join(f"stage {i}: {p.reason}" for i, p in enumerate(parts_in_order) if p.reason)
-    return BuildOutcome(manifest=manifest, key=key, hit=not reason, reason=reason,
-                        traced=sorted({record.stage_rank[i] * per_stage + r for i, p in enumerate(parts_in_order)
-                                       for r in p.traced}),
-                        traces=sum(p.traces for p in parts_in_order), note="; ".join(notes) if reason else "")
+    return [cached(s) for s in range(len(stage_specs))], notes
 
 
 def _middle_runs(stage_specs: list[BuildSpec]) -> list[list[int]]:

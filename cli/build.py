@@ -78,9 +78,6 @@ def main(shape_args, **values):
         from titan.cli.pipeline_plan import show_pipeline_plan
         show_pipeline_plan(spec)
         return
-    if spec.pipeline is not None and kernels:
-        raise ValueError("--kernels: a pipeline artifact's stage programs do not carry kernels yet; drop --kernels "
-                         "(titan-run compiles what it needs)")
     out = out or Path("artifacts") / spec.name
     lock_wait_s()  # a bad TITAN_LOCK_WAIT is refused before any work
     if not replace:
@@ -141,7 +138,13 @@ def main(shape_args, **values):
     else:
         timings.record("build", outcome.key, time.perf_counter() - t0)
     manifest = outcome.manifest
-    if kernels:
+    if kernels and spec.pipeline is not None:
+        from titan.builder.export.kernels import add_pipeline_kernels
+        manifest, per_stage = add_pipeline_kernels(cache, spec, out, target=target)
+        click.echo(f"kernels: {len(manifest.kernels)} in the artifact (all stages)")
+        for s, stats in enumerate(per_stage):
+            click.echo(f"  stage {s}: {stats.line()}")
+    elif kernels:
         from titan.builder.export.kernels import add_kernels
         manifest, stats = add_kernels(cache, outcome.key, out, redo=outcome.redo, target=target)
         click.echo(f"kernels: {len(manifest.kernels)} in the artifact; {stats.line()}")

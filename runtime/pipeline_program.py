@@ -7,7 +7,13 @@ torch.distributed.pipelining's schedules do (`scale_grads`).
 
 The step's loss is the mean of the last stage's micro-batch losses, summed in micro-batch order;
 every pp rank gets it (an all-reduce over the pipeline, the others adding zero), so that rank 0,
-which runs the first stage, reports it."""
+which runs the first stage, reports it.
+
+A bounded MoE dispatch that stays dropless (titan-build --moe-capacity F with --pp) redoes an
+overflowing forward per stage and micro-batch with the stage's dropless program
+(runtime/moe_redo.py): a stage's overflow count is summed over the stage's ranks, which run that
+forward together and so take the same branch; a stage that did not overflow gave the dropless
+output bit for bit, so every stage's input, and the whole step, is the dropless pipeline's."""
 
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from titan.runtime.contract.memory_estimate import check_device, estimate_from_g
 from titan.runtime.contract.rank_record import BufferSpec, ParamSpec, RankRecord
 from titan.runtime.init import materialize
 from titan.runtime.kernels.fusion import compile_program_regions
+from titan.runtime.moe_redo import OverflowRedo
 from titan.runtime.pipeline_executor import run_pipeline_step
 from titan.runtime.pipeline_stage import GraphStage
 from titan.runtime.stage_gather import StageGather, gather_once
@@ -55,7 +62,12 @@ class PipelineProgram:
         self.gathers: dict[int, StageGather] = {}
         self.reduces: dict[int, StageReduce] = {}
         self.fusion = None
-        """The first stage's compiled regions, if it has any (its line is what titan-run prints)."""
+        """The compiled regions of this rank's stages, counted together (the line titan-run prints)."""
+        self.redos: dict[int, OverflowRedo] = {}
+        """Per stage, its dropless redo (a bounded MoE dispatch that stays dropless)."""
+        self.redoes = bool(manifest.redo_programs)
+        """Whether the artifact redoes overflowing forwards: the same on every rank (a rank whose
+        stages hold no MoE block has no redo of its own but runs the step as the others do)."""
         phases = rank_phases()
         held = manifest.stages_of(rank)
         with phases(f"rank {rank}: loading and checking its stage program(s) {', '.join(map(str, held))}",
@@ -66,16 +78,29 @@ class PipelineProgram:
                 # Each micro-batch in flight holds its own saved activations (the schedule's peak).
                 check_device(estimate_from_graphs(record, forward, backward, dense_flex=device.type != "cuda"),
                              device, name=f"{artifact.root} rank {rank} stage {s}")
+                if manifest.redo_programs and (gather_per_step or reduce_per_step):
+                    # A redo runs the dropless program's stored graphs in place of the bounded
+                    # ones: both must take the parameters alike (gathering in every micro-batch).
+                    if reduce_per_step:
+                        raise ValueError("--pp-reduce-per-step: this artifact redoes overflowing MoE forwards "
+                                         "(--moe-capacity), whose dropless programs reduce in every micro-batch; "
+                                         "drop --pp-reduce-per-step or rebuild without --moe-capacity")
+                    gather_per_step = False
                 if gather_per_step:
                     self.gathers[s] = gather_once(forward, backward, n_params=len(record.params))
                     forward, backward = self.gathers[s].forward, self.gathers[s].backward
                 if reduce_per_step and (cut := reduce_once(backward, n_params=len(record.params))) is not None:
                     self.reduces[s] = cut
                     backward = cut.compute
-                stats = compile_program_regions(forward, backward, device,
-                                                artifact_kernel=artifact.kernel if artifact_kernels else None)
-                self.fusion = self.fusion or stats
+                self.fusion = compile_program_regions(forward, backward, device, stats=self.fusion,
+                                                      artifact_kernel=artifact.kernel if artifact_kernels else None
+                                                      ) or self.fusion
                 self.records[s], self.graphs[s] = record, (forward, backward)
+                # A stage without MoE blocks (no buffers: DeepSeek-V3's dense first blocks alone) has
+                # no dispatch to overflow.
+                if manifest.redo_programs and record.buffers:
+                    self.redos[s] = self._redo(artifact, rank, s, record, device=device, mesh=mesh,
+                                               artifact_kernels=artifact_kernels)
         with phases(f"rank {rank}: materializing its parameters ({params_from})", short="parameters"):
             load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
             self.stage_params = {s: [load_param(p) for p in record.params] for s, record in self.records.items()}
@@ -90,10 +115,30 @@ class PipelineProgram:
         # Made once: a zero-bubble schedule's split of each backward is cut on first use and kept.
         self.stages = {s: self._stage(s) for s in held}
 
+    def _redo(self, artifact: Artifact, rank: int, s: int, record: RankRecord, *, device: torch.device, mesh,
+              artifact_kernels: bool) -> OverflowRedo:
+        """Stage `s`'s dropless redo program, loaded and checked as its bounded one is."""
+        forward, backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh), stage=s,
+                                             redo=True)
+        dropless = artifact.rank_record(rank, stage=s, redo=True)
+        # The redo runs while the bounded attempts of other micro-batches are held: it must fit too.
+        check_device(estimate_from_graphs(dropless, forward, backward, dense_flex=device.type != "cuda"), device,
+                     name=f"{artifact.root} rank {rank} stage {s} (its dropless redo program)")
+        # Its regions are compiled as the bounded program's are: both must run the same kernels.
+        self.fusion = compile_program_regions(forward, backward, device, stats=self.fusion,
+                                              artifact_kernel=artifact.kernel if artifact_kernels else None
+                                              ) or self.fusion
+        return OverflowRedo(record, dropless, forward, backward, where=f"{artifact.root} rank {rank} stage {s}")
+
     def step_metrics(self) -> dict:
         """The expert load of this rank's stages' MoE blocks (runtime/buffer_state.py), read after
-        the step; the logging rank's stages only (a read here is no collective)."""
-        return self.buffers.metrics()
+        the step, and with a dropless redo the micro-batches its stages redid; the logging rank's
+        stages only (a read here is no collective)."""
+        out = self.buffers.metrics()
+        if self.redos:
+            counts = [redo.metrics() for redo in self.redos.values()]
+            out |= {name: sum(c[name] for c in counts) for name in counts[0]}
+        return out
 
     @property
     def microbatches(self) -> int:
@@ -113,7 +158,7 @@ class PipelineProgram:
                           labels=(), activation_shape=io.input_shape or io.output_shape,
                           dtype=getattr(torch, io.dtype), device=self.device, buffers=buffers,
                           updated=[self.buffers.tensors[fqn] for fqn in record.mutated_buffers],
-                          gathered=self.gathers.get(s), reduced=self.reduces.get(s))
+                          gathered=self.gathers.get(s), reduced=self.reduces.get(s), redo=self.redos.get(s))
 
     @torch.no_grad()
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

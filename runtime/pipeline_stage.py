@@ -10,7 +10,10 @@ determine (their all-gathers, casts and copies) is computed once per step, befor
 forward, and held until its last backward; the graphs run are then the gather's compute parts,
 which take those values first. With `reduced` (runtime/stage_reduce.py, opt-in: numerics change)
 the backward's reduce-scatters wait for the step's last micro-batch: each backward's unsharded
-gradient buckets are summed, and reduced once after the last."""
+gradient buckets are summed, and reduced once after the last. With a dropless redo
+(runtime/moe_redo.py), a forward whose bounded dispatch overflowed is run again by the dropless
+program, and that micro-batch's backward is the dropless program's (such a stage runs its stored
+graphs: runtime/pipeline_program.py gives it neither `gathered` nor `reduced`)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch.fx as fx
 
 from titan.runtime.backward_split import SplitBackward, split_backward
 from titan.runtime.grad_accumulation import accumulate_grads
+from titan.runtime.moe_redo import OverflowRedo
 from titan.runtime.stage_gather import StageGather
 from titan.runtime.stage_reduce import StageReduce
 
@@ -30,7 +34,8 @@ class GraphStage:
                  inputs: tuple[str, ...], tokens: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, ...],
                  activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None,
                  buffers: list[torch.Tensor] = (), updated: list[torch.Tensor] = (),
-                 gathered: StageGather | None = None, reduced: StageReduce | None = None):
+                 gathered: StageGather | None = None, reduced: StageReduce | None = None,
+                 redo: OverflowRedo | None = None):
         """`params` in the program's order; `inputs` its input kinds (STAGE_INPUTS); `tokens` and
         `labels` this step's micro-batches (used by the first and last stage); received
         activations and gradients land in buffers of `activation_shape` and `dtype` on `device`.
@@ -38,8 +43,14 @@ class GraphStage:
         bias and load); `updated`: those whose new values the forward returns first, in that order.
         `gathered`: the graphs cut by stage_gather.gather_once (then `forward` and `backward` are
         its parts), to gather once per step; `reduced`: the backward cut by
-        stage_reduce.reduce_once (then `backward` is its compute part), to reduce once per step."""
+        stage_reduce.reduce_once (then `backward` is its compute part), to reduce once per step;
+        `redo`: the stage's dropless redo of an overflowing bounded forward (with neither of those:
+        the redo's graphs take the parameters as the stored ones do)."""
+        assert redo is None or (gathered is None and reduced is None), "a redo stage runs its stored graphs"
         self.fw, self.bw, self.params, self.inputs = forward, backward, params, inputs
+        self.redo = redo
+        self.redone: set[int] = set()
+        """The micro-batches in flight whose forward was redone dropless (their backward is the redo's)."""
         self.gathered = gathered
         self.values: tuple[torch.Tensor, ...] | None = None
         """With `gathered`: this step's gathered values, from the first forward to the last backward."""
@@ -64,8 +75,15 @@ class GraphStage:
     def forward(self, microbatch: int, inputs: torch.Tensor | None) -> torch.Tensor | None:
         values = {"tokens": lambda: self.tokens[microbatch], "activations": lambda: inputs,
                   "labels": lambda: self.labels[microbatch]}
+        args = [*self._values(), *self.params, *self.buffers, *(values[kind]() for kind in self.inputs)]
         with torch.no_grad():
-            outputs = self.fw(*self._values(), *self.params, *self.buffers, *(values[kind]() for kind in self.inputs))
+            outputs = self.fw(*args)
+            if self.redo is not None and self.redo.overflowed(self.redo.overflow_count(outputs)):
+                # Nothing of the bounded attempt was applied yet (its buffer updates come below).
+                del outputs
+                outputs = self.redo.forward(*args)
+                self.redone.add(microbatch)
+        del args
         n = len(self.updated)
         out, *saved = outputs[n:]
         self._update_buffers(outputs[:n], saved)
@@ -132,8 +150,10 @@ class GraphStage:
         saved = self.saved.pop(microbatch)
         if grad_output is None:  # the last stage: the gradient of its loss
             grad_output = torch.ones_like(self.losses[microbatch])
+        redone = microbatch in self.redone
+        self.redone.discard(microbatch)
         with torch.no_grad():
-            grads = self.bw(*self._values(), *saved, grad_output)
+            grads = (self.redo.backward if redone else self.bw)(*self._values(), *saved, grad_output)
             self._add_grads(grads)
             self._backward_done()
         return None if self.input_grad is None else grads[self.n_partials + len(self.params) + self.input_grad]
@@ -143,21 +163,29 @@ class GraphStage:
         """The backward's input- and weight-gradient parts, cut on first use."""
         return split_backward(self.bw, n_params=self.n_partials + len(self.params))
 
+    @functools.cached_property
+    def redo_split(self) -> SplitBackward:
+        """The dropless redo backward's parts, cut on first use."""
+        return split_backward(self.redo.backward, n_params=len(self.params))
+
     def backward_input(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """The input-gradient part of the backward: returns the gradient of the stage's input (None
         on the first stage); the parameters' gradients wait for backward_weight."""
         saved = self.saved.pop(microbatch)
         if grad_output is None:  # the last stage: the gradient of its loss
             grad_output = torch.ones_like(self.losses[microbatch])
+        split = self.redo_split if microbatch in self.redone else self.split  # kept until backward_weight
         with torch.no_grad():
-            out = self.split.input(*self._values(), *saved, grad_output)
-        self.held[microbatch] = tuple(out[self.split.n_input_grads:])
+            out = split.input(*self._values(), *saved, grad_output)
+        self.held[microbatch] = tuple(out[split.n_input_grads:])
         return None if self.input_grad is None else out[self.input_grad]
 
     def backward_weight(self, microbatch: int) -> None:
         """The weight-gradient part: adds the parameters' gradients, as backward does."""
+        split = self.redo_split if microbatch in self.redone else self.split
+        self.redone.discard(microbatch)
         with torch.no_grad():
-            self._add_grads(self.split.weight(*self.held.pop(microbatch)))
+            self._add_grads(split.weight(*self.held.pop(microbatch)))
             self._backward_done()
 
     def input_buffer(self, microbatch: int) -> torch.Tensor:

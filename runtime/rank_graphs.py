@@ -38,5 +38,5 @@ def check_rank_loads(artifact: Artifact, rank: int) -> None:
     groups = {dim: dim for dim, _ in artifact.layout.mesh_shape()}
     for stage in artifact.manifest.stages_of(rank) or (None,):
         load_rank_graphs(artifact, rank, device=torch.device("cpu"), groups=groups, stage=stage)
-    if artifact.manifest.redo_programs:
-        load_rank_graphs(artifact, rank, device=torch.device("cpu"), groups=groups, redo=True)
+        if artifact.manifest.redo_programs:
+            load_rank_graphs(artifact, rank, device=torch.device("cpu"), groups=groups, redo=True, stage=stage)

@@ -285,6 +285,9 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         timings.record("fusion", key, time.perf_counter() - t_load)
     if program.fusion is not None:
         _say(env, cfg, None, program.fusion.line())
+    if getattr(program, "redoes", False) and device.type == "cuda" and cfg.cuda_graphs:
+        _say(env, cfg, None, "note: this pipeline redoes overflowing MoE forwards dropless, a decision on the host per "
+                             "stage and micro-batch: its steps run op by op, without CUDA graphs")
     optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
     with phases(f"rank {env.rank}: loading the checkpoint {run_state.resume_from}", short="checkpoint load"):
         start = run_state.restore(program.params, optimizer, buffers=program.buffers.tensors)
@@ -372,7 +375,9 @@ def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, 
     clip = GlobalNormClip([p.placements for p in program.specs], mesh, max_norm=recipe.max_norm,
                           pipeline_group=pipeline)
     update = op_by_op_update(program, clip, optimizer)
-    if pipeline is not None and (device.type != "cuda" or not cfg.cuda_graphs):
+    # A pipeline's dropless redo decides per stage and micro-batch on the host (one read after each
+    # bounded forward), inside the step: one graph of the whole step cannot hold that; op by op.
+    if pipeline is not None and (device.type != "cuda" or not cfg.cuda_graphs or program.redoes):
         yield program.step, update, None
         return
     from titan.runtime.fused_adamw import FusedAdamW

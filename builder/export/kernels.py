@@ -9,6 +9,9 @@ model instead: inductor generates each region's code for a stand-in device of th
 compiles it for the explicit target, and the launches are derived from the generated code
 (builder/export/offline_kernels.py). That needs the torch and Triton the GPU hosts run (the
 versions are part of every kernel key).
+
+A pipeline artifact's kernels are its stages': each stage's are recorded in the stage's own cache
+entry (a stage is a build of its own) and the artifact carries them all (add_pipeline_kernels).
 """
 
 from __future__ import annotations
@@ -16,19 +19,87 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from titan.runtime.store.build_cache import Cache
 from titan.runtime.contract.manifest import Manifest
 
 if TYPE_CHECKING:
+    import torch.fx as fx
+
     from titan.builder.export.gpu_target import GpuTarget
+    from titan.builder.spec.build_spec import BuildSpec
 
 
-def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict[str, str], object]:
-    """Compile (or load from the kernel store) every region of the entry's distinct graphs (built
-    for `manifest`, the artifact exported from it) on cuda:0; returns (kernel key -> sha256,
-    FusionStats)."""
+@dataclass(frozen=True)
+class GraphSource:
+    """Graphs whose regions are compiled, read from the cache or the artifact and bound to a
+    rank's coordinates where they are a program with bindings (a pipeline stage's): one graph, or
+    a stage's forward and backward, whose regions are compiled a second time as titan-run cuts
+    them by default (a stage gathers what its parameters alone determine once per step:
+    runtime/stage_gather.py; the cut moves the parameters' casts out of their regions, so those
+    regions have kernel keys of their own). `gather_params`: the stage's parameter count."""
+    reads: tuple[Callable[[], bytes], ...]
+    coords: dict[str, int] | None = None
+    gather_params: int | None = None
+
+    def graphs(self, load: Callable[[bytes, dict[str, int] | None], fx.GraphModule]) -> list[fx.GraphModule]:
+        """The graphs to compile, each decoded by `load(blob, coords)`."""
+        out = [load(read(), self.coords) for read in self.reads]
+        if self.gather_params is not None:
+            from titan.runtime.stage_gather import gather_once
+
+            # Decoded again: compiling a graph's regions rewrites it.
+            forward, backward = (load(read(), self.coords) for read in self.reads)
+            cut = gather_once(forward, backward, n_params=self.gather_params)
+            out += [cut.forward, cut.backward]
+        return out
+
+
+def entry_graphs(cache: Cache, entry: dict) -> list[GraphSource]:
+    """The distinct graphs of a build's traced ranks (its cache entry's rank records)."""
+    out, seen = [], set()
+    for rank_key in entry["ranks"]:
+        record = cache.rank_record(rank_key)
+        if record is None:
+            raise ValueError("a rank record of this build is missing or not authenticated; build again")
+        for sha in (record["forward"], record["backward"]):
+            if sha not in seen:
+                seen.add(sha)
+                out.append(GraphSource(reads=(lambda sha=sha: cache.read_blob(sha),)))
+    return out
+
+
+def stage_graphs(art, stage: int) -> list[GraphSource]:
+    """The graphs pipeline stage `stage` of artifact `art` runs, bound as its probe ranks run
+    them (rank 0 of the stage's block, the rank at coordinate 1 of each mesh dimension and the
+    far corner: what differs between ranks is told apart by them, as a build traces them), as
+    stored and as gathered once per step."""
+    from dataclasses import replace
+
+    from titan.builder.program.bind import probe_ranks
+
+    layout = art.layout
+    per_stage = layout.world_size // layout.pp
+    block = art.manifest.pipeline.schedule.stage_rank[stage] * per_stage
+    out, seen = [], set()
+    for local in probe_ranks(replace(layout, pp=1)):
+        rank = block + local
+        files = art.rank_entry(rank, stage=stage)
+        coords = art.rank_coordinates(rank)
+        # A program and its binding.
+        bound = (art.manifest.files[files.forward], art.manifest.files[files.backward], tuple(sorted(coords.items())))
+        if bound not in seen:
+            seen.add(bound)
+            out.append(GraphSource(reads=tuple(lambda rel=rel: art.read_verified(rel)
+                                               for rel in (files.forward, files.backward)), coords=coords,
+                                   gather_params=len(art.rank_record(rank, stage=stage).params)))
+    return out
+
+
+def compile_kernels(cache: Cache, graphs: Iterable[GraphSource], manifest: Manifest) -> tuple[dict[str, str], object]:
+    """Compile (or load from the kernel store) every region of `graphs` (of `manifest`'s build)
+    on cuda:0; returns (kernel key -> sha256, FusionStats)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -44,16 +115,10 @@ def compile_kernels(cache: Cache, entry: dict, manifest: Manifest) -> tuple[dict
     # Regions hold no collectives: the groups only need names to decode.
     groups = {name: f"titan-build-{name}" for name, _ in manifest.layout.mesh_shape()}
     sources = KernelSources(device=device, store=KernelStore(cache.root / "kernels"))
-    stats, memo, seen = FusionStats(), {}, set()
-    for rank_key in entry["ranks"]:
-        record = cache.rank_record(rank_key)
-        if record is None:
-            raise ValueError("a rank record of this build is missing or not authenticated; build again")
-        for sha in (record["forward"], record["backward"]):
-            if sha in seen:
-                continue
-            seen.add(sha)
-            gm = load_graph(cache.read_blob(sha), device=device, groups=groups, regions=regions)
+    stats, memo = FusionStats(), {}
+    for source in graphs:
+        for gm in source.graphs(lambda blob, coords: load_graph(blob, device=device, groups=groups, regions=regions,
+                                                                coords=coords)):
             compile_regions(gm, device=device, sources=sources, stats=stats, memo=memo)
     return sources.recorded, stats
 
@@ -81,11 +146,11 @@ class OfflineStats:
                 + f" in {self.seconds:.1f} s" + (f"; {left} left to compile where they run ({why})" if left else ""))
 
 
-def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
+def compile_kernels_offline(cache: Cache, graphs: Iterable[GraphSource], manifest: Manifest,
                             target: GpuTarget) -> tuple[dict[str, str], OfflineStats]:
-    """Build every distinct region of the entry's graphs for `target` on this host, no GPU
-    needed (kernel plans already in the kernel store are reused); returns (kernel key ->
-    sha256, OfflineStats)."""
+    """Build every distinct region of `graphs` (of `manifest`'s build) for `target` on this
+    host, no GPU needed (kernel plans already in the kernel store are reused); returns (kernel
+    key -> sha256, OfflineStats)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -101,20 +166,16 @@ def compile_kernels_offline(cache: Cache, entry: dict, manifest: Manifest,
     regions = region_kinds(manifest.passes)
     groups = {name: f"titan-build-{name}" for name, _ in manifest.layout.mesh_shape()}
     store = KernelStore(cache.root / "kernels")
-    stats, recorded, wanted, seen = OfflineStats(target=target.tag), {}, {}, set()
-    for rank_key in entry["ranks"]:
-        record = cache.rank_record(rank_key)
-        if record is None:
-            raise ValueError("a rank record of this build is missing or not authenticated; build again")
-        for sha in (record["forward"], record["backward"]):
-            if sha not in seen:
-                seen.add(sha)
-                # The graph as the GPU would load it (its device arguments name cuda:0); its
-                # constants become fake CUDA tensors: only the regions' code and layouts are read.
-                with FakeTensorMode(allow_non_fake_inputs=True):
-                    gm = load_graph(cache.read_blob(sha), device=device, groups=groups, regions=regions)
-                wanted |= region_kernels(gm, device=target.tag)
-                wanted |= flex_kernel_specs(gm, device=target.tag)  # FlexAttention's fused kernels
+    stats, recorded, wanted = OfflineStats(target=target.tag), {}, {}
+    for source in graphs:
+        # The graphs as the GPU would load them (their device arguments name cuda:0); their
+        # constants become fake CUDA tensors: only the regions' code and layouts are read.
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            decoded = source.graphs(lambda blob, coords: load_graph(blob, device=device, groups=groups,
+                                                                    regions=regions, coords=coords))
+        for gm in decoded:
+            wanted |= region_kernels(gm, device=target.tag)
+            wanted |= flex_kernel_specs(gm, device=target.tag)  # FlexAttention's fused kernels
     for key, (kind, sub, layouts) in wanted.items():
         if not compiled_here(kind, device):
             continue
@@ -158,12 +219,44 @@ def add_kernels(cache: Cache, key: str, out: Path, *, redo: dict | None = None,
         if entry is None:
             raise ValueError(f"the build's cache entry is gone ({why}); build again")
         manifest = open_artifact(out, check_torch=False).manifest
-        if target is None:
-            kernels, stats = compile_kernels(cache, entry, manifest)
-        else:
-            kernels, stats = compile_kernels_offline(cache, entry, manifest, target)
+        kernels, stats = _compile(cache, entry_graphs(cache, entry), manifest, target)
         entry = dict(entry, kernels=dict(entry.get("kernels", {}), **kernels))
         cache.put_entry(key, entry)
         return export_artifact(cache, dict(entry, **(redo or {})), out, with_kernels=True), stats
     finally:
         lock.release()
+
+
+def add_pipeline_kernels(cache: Cache, spec: BuildSpec, out: Path, *,
+                         target: GpuTarget | None = None) -> tuple[Manifest, list[object]]:
+    """add_kernels for a pipeline artifact (built from `spec` at `out`): each stage's regions
+    compiled as its probe ranks load them, recorded in the stage's cache entry, and the artifact
+    exported again with every stage's kernels; returns (manifest, each stage's stats)."""
+    from titan.builder.export.artifact import export_artifact
+    from titan.builder.program.stage_programs import pipeline_artifact_entry
+    from titan.builder.spec.cache_key import build_factors, digest
+    from titan.runtime.contract.artifact import open_artifact
+
+    art = open_artifact(out, check_torch=False)
+    keys = [digest(build_factors(stage)) for stage in spec.stage_builds()]
+    all_stats = []
+    for s, key in enumerate(keys):
+        lock = cache.lock(key)
+        try:
+            entry, why = cache.get_entry(key)
+            if entry is None:
+                raise ValueError(f"the cache entry of pipeline stage {s} is gone ({why}); build again")
+            kernels, stats = _compile(cache, stage_graphs(art, s), art.manifest, target)
+            cache.put_entry(key, dict(entry, kernels=dict(entry.get("kernels", {}), **kernels)))
+            all_stats.append(stats)
+        finally:
+            lock.release()
+    return export_artifact(cache, pipeline_artifact_entry(spec, cache=cache), out,
+                           with_kernels=True), all_stats
+
+
+def _compile(cache: Cache, graphs: list[GraphSource], manifest: Manifest,
+             target: GpuTarget | None) -> tuple[dict[str, str], object]:
+    if target is None:
+        return compile_kernels(cache, graphs, manifest)
+    return compile_kernels_offline(cache, graphs, manifest, target)

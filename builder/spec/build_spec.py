@@ -225,9 +225,6 @@ def make_spec(*, model: str, flavor: str | None, tp: int, dp_shard: int, dp_repl
     check_capacity(family, shaped, moe_capacity, moe_drop)
     pipeline = make_pipeline(model=model, cfg=shaped, layout=layout, seq_len=seq_len, schedule=pp_schedule,
                              microbatches=microbatches, split=pp_split, stages_per_rank=pp_stages_per_rank)
-    if pipeline is not None and moe_capacity is not None:
-        raise ValueError("--moe-capacity with --pp: pipeline stages are built with the dropless dispatch only so far "
-                         "(no bounded program, no redo); drop --moe-capacity or use --pp 1")
     return BuildSpec(model=model, flavor=flavor, layout=layout, batch_size=batch_size, seq_len=seq_len,
                      partitioner=partitioner, dtype=dtype, graph_passes=passes, ac=ac, pipeline=pipeline,
                      shape=tuple((name, getattr(shaped, name)) for name in sorted(shape or {})),

@@ -36,7 +36,9 @@ SINGLE_STAGE = (ScheduleGPipe, Schedule1F1B)
 class EagerPipeline:
     def __init__(self, spec: ModelSpec, cfg: ModelConfig, layout: Layout, rank: int, *, batch_size: int,
                  seq_len: int, device: torch.device, mesh, seed: int, compute_dtype: torch.dtype,
-                 schedule: PipelineSchedule):
+                 schedule: PipelineSchedule, capacity_factor: float | None = None):
+        """`capacity_factor`: a MoE dispatch that drops past this capacity (the reference of a
+        drop-and-pad artifact); None: dropless."""
         with torch.device("meta"):
             model = spec.build(cfg)
         model.loss_scale = float(batch_size * seq_len * layout.dp_degree)
@@ -48,7 +50,7 @@ class EagerPipeline:
         # A stage routes over its own ranks, as its trace does: the layout and mesh without pp
         # (each stage's MoE blocks sum their own expert load).
         spec.place_rank(model, RankPlace(layout=replace(layout, pp=1), mesh=self.stage_mesh, batch_size=batch_size,
-                                         seq_len=seq_len))
+                                         seq_len=seq_len, capacity_factor=capacity_factor))
         n = schedule.n_stages
         held = [s for s in range(n) if schedule.stage_rank[s] == coords["pp"]]
         loss = ScaledTokenLoss(model.loss_scale)

@@ -78,7 +78,7 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
             from titan.cli.tools.eager_pipeline import EagerPipeline
             eager = EagerPipeline(*eager_config(m), layout, env.rank, batch_size=m.batch_size, seq_len=m.seq_len,
                                   device=device, mesh=mesh, seed=cfg.seed, compute_dtype=getattr(torch, m.dtype),
-                                  schedule=m.pipeline.schedule)
+                                  schedule=m.pipeline.schedule, capacity_factor=drop_capacity(m))
             named, eager_step, eager_pipeline_step = eager.named_params, None, eager.step
             named_buffers = eager.named_buffers
         # The reference is torch's own AdamW (its single-tensor path, which titan's AdamW mirrors),

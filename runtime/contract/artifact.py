@@ -102,7 +102,7 @@ class Artifact:
         self.rank_coordinates(rank)  # in range
         if stage is not None and stage not in self.manifest.stages_of(rank):
             raise ArtifactError(f"{self.root}: rank {rank} runs no pipeline stage {stage}")
-        return self.manifest.redo_program_of(rank) if redo else self.manifest.program_of(rank, stage)
+        return self.manifest.redo_program_of(rank, stage) if redo else self.manifest.program_of(rank, stage)
 
     def graph_hash(self, rank: int, kind: str, *, redo: bool = False, stage: int | None = None) -> str:
         """The sha256 of the `kind` ("forward" or "backward") graph this rank runs."""

@@ -72,9 +72,15 @@ class PipelinePlan:
     stage_programs: tuple[tuple[int, ...], ...]
     """Per stage, per place in the stage's block of ranks (rank % (world / pp): pp is the
     outermost mesh dimension), the index of the program it runs."""
+    redo_stage_programs: tuple[tuple[int, ...], ...] = ()
+    """With a bounded MoE dispatch that does not drop: as stage_programs, the index of each
+    stage's dropless redo program (in the manifest's redo_programs); empty otherwise."""
 
     def to_json(self) -> dict:
-        return {"schedule": self.schedule.to_json(), "stage_programs": [list(p) for p in self.stage_programs]}
+        d = {"schedule": self.schedule.to_json(), "stage_programs": [list(p) for p in self.stage_programs]}
+        if self.redo_stage_programs:
+            d["redo_stage_programs"] = [list(p) for p in self.redo_stage_programs]
+        return d
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -119,8 +125,12 @@ class Manifest:
     """With pp > 1: the schedule and each stage's programs; `rank_programs` then gives each
     rank the program of its first stage."""
 
-    def redo_program_of(self, rank: int) -> ProgramFiles:
-        return self.redo_programs[self.redo_rank_programs[rank]]
+    def redo_program_of(self, rank: int, stage: int | None = None) -> ProgramFiles:
+        """The dropless redo program `rank` runs (of pipeline stage `stage`, one of stages_of(rank))."""
+        if stage is None:
+            return self.redo_programs[self.redo_rank_programs[rank]]
+        assert stage in self.stages_of(rank), (rank, stage)
+        return self.redo_programs[self.pipeline.redo_stage_programs[stage][rank % (self.world_size // self.layout.pp)]]
 
     @property
     def dp_degree(self) -> int:
@@ -223,10 +233,8 @@ def _checked(m: dict) -> Manifest:
     # A pipeline's ranks may run several stages each, a program per stage.
     most = world * (MAX_STAGES if "pipeline" in m else 1)
     programs, assignment = _programs(m, "programs", "rank_programs", files, world, where, most=most)
-    pipeline = _pipeline(m, layout, cfg, len(programs), assignment, where)
-    capacity, redo, redo_assignment = _moe_capacity(m, files, world, where)
-    if pipeline is not None and capacity is not None:
-        fail(where, "a pipeline with a bounded MoE dispatch is not something titan-build writes")
+    capacity, redo, redo_assignment = _moe_capacity(m, files, world, where, most=most)
+    pipeline = _pipeline(m, layout, cfg, len(programs), assignment, where, redo=(len(redo), redo_assignment))
     kernels = m.get("kernels", {})
     _check_kernels(kernels, files, where)
     passes = m.get("passes")
@@ -266,39 +274,49 @@ def _programs(m: dict, key: str, assignment_key: str, files: dict, world: int,
 
 
 def _pipeline(m: dict, layout: Layout, cfg: dict, n_programs: int, assignment: tuple[int, ...],
-              where: str) -> PipelinePlan | None:
+              where: str, *, redo: tuple[int, tuple[int, ...]]) -> PipelinePlan | None:
     """The pipeline: present exactly when the mesh has a pp dimension; its schedule checked
     (complete, deadlock-free: runtime/contract/pipeline_schedule.py) for the model's layers; every
-    rank of every stage given a program, and each rank's `rank_programs` entry its first stage's."""
+    rank of every stage given a program, and each rank's `rank_programs` entry its first stage's.
+    `redo`: the count of redo programs and each rank's (a bounded MoE dispatch that does not
+    drop): then every rank of every stage is given a redo program too, alike."""
     raw = m.get("pipeline")
     if (raw is None) != (layout.pp == 1):
         fail(where, "'pipeline' belongs with a pp mesh dimension, and a pp dimension needs it")
     if raw is None:
         return None
-    if not isinstance(raw, dict) or set(raw) != {"schedule", "stage_programs"}:
-        fail(where, "'pipeline' must hold exactly 'schedule' and 'stage_programs'")
+    n_redo, redo_assignment = redo
+    keys = {"schedule", "stage_programs"} | ({"redo_stage_programs"} if n_redo else set())
+    if not isinstance(raw, dict) or set(raw) != keys:
+        fail(where, f"'pipeline' must hold exactly {' and '.join(repr(k) for k in sorted(keys))} (the redo programs "
+                    "exactly with a bounded MoE dispatch that does not drop)")
     n_layers = check_int(cfg.get("n_layers"), f"{where} model_config n_layers", 1, 1 << 16)
     schedule = PipelineSchedule.from_json(raw["schedule"], f"{where} pipeline schedule", n_layers=n_layers,
                                           pp=layout.pp)
     per_stage = layout.world_size // layout.pp
-    stage_programs = raw["stage_programs"]
-    if not isinstance(stage_programs, list) or len(stage_programs) != schedule.n_stages or not all(
-            isinstance(p, list) and len(p) == per_stage for p in stage_programs):
-        fail(where, f"'stage_programs' must give each of the {schedule.n_stages} stages a program for each of its "
-                    f"{per_stage} rank(s)")
-    for s, programs in enumerate(stage_programs):
-        for index in programs:
-            check_int(index, f"{where} stage_programs[{s}]", 0, n_programs - 1)
-    plan = PipelinePlan(schedule=schedule, stage_programs=tuple(tuple(p) for p in stage_programs))
-    for rank, index in enumerate(assignment):
-        first = schedule.stage_rank.index(layout.coordinates(rank)["pp"])
-        if plan.stage_programs[first][rank % per_stage] != index:
-            fail(where, f"rank {rank}'s program is not its first stage's ({first})")
-    return plan
+
+    def per_stage_programs(name: str, count: int, firsts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        table = raw[name]
+        if not isinstance(table, list) or len(table) != schedule.n_stages or not all(
+                isinstance(p, list) and len(p) == per_stage for p in table):
+            fail(where, f"'{name}' must give each of the {schedule.n_stages} stages a program for each of its "
+                        f"{per_stage} rank(s)")
+        for s, programs in enumerate(table):
+            for index in programs:
+                check_int(index, f"{where} {name}[{s}]", 0, count - 1)
+        for rank, index in enumerate(firsts):
+            first = schedule.stage_rank.index(layout.coordinates(rank)["pp"])
+            if table[first][rank % per_stage] != index:
+                fail(where, f"rank {rank}'s program in '{name}' is not its first stage's ({first})")
+        return tuple(tuple(p) for p in table)
+
+    return PipelinePlan(schedule=schedule, stage_programs=per_stage_programs("stage_programs", n_programs, assignment),
+                        redo_stage_programs=(per_stage_programs("redo_stage_programs", n_redo, redo_assignment)
+                                             if n_redo else ()))
 
 
-def _moe_capacity(m: dict, files: dict, world: int,
-                  where: str) -> tuple[MoECapacity | None, tuple[ProgramFiles, ...], tuple[int, ...]]:
+def _moe_capacity(m: dict, files: dict, world: int, where: str,
+                  *, most: int) -> tuple[MoECapacity | None, tuple[ProgramFiles, ...], tuple[int, ...]]:
     """The bounded MoE dispatch: format version 3 exactly when there is one, and redo programs
     exactly when it does not drop."""
     raw = m.get("moe_capacity")
@@ -317,7 +335,7 @@ def _moe_capacity(m: dict, files: dict, world: int,
         if "redo_programs" in m:
             fail(where, "a drop-and-pad 'moe_capacity' has no 'redo_programs'")
         return capacity, (), ()
-    return (capacity, *_programs(m, "redo_programs", "redo_rank_programs", files, world, where))
+    return (capacity, *_programs(m, "redo_programs", "redo_rank_programs", files, world, where, most=most))
 
 
 def _layout(m: dict, world: int, where: str) -> Layout:

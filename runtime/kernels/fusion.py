@@ -146,14 +146,16 @@ class KernelSources:
 
 
 def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule, device: torch.device, *,
-                            artifact_kernel: Callable[[str], bytes | None] | None = None) -> FusionStats | None:
+                            artifact_kernel: Callable[[str], bytes | None] | None = None,
+                            stats: FusionStats | None = None) -> FusionStats | None:
     """Compile the regions of both graphs in place (identical regions once); None when there
     are none to compile here (then nothing of inductor is imported). `artifact_kernel` serves
-    the artifact's kernels, tried first: pass it only when they are trusted."""
+    the artifact's kernels, tried first: pass it only when they are trusted. `stats`: counted
+    into (a pipeline rank's stages, one line); a new one otherwise."""
     if not (has_regions(forward, device) or has_regions(backward, device)):
         return None
     sources = KernelSources(device=device, artifact_kernel=artifact_kernel)
-    stats, memo = FusionStats(), {}
+    stats, memo = stats or FusionStats(), {}
     for gm in (forward, backward):
         compile_regions(gm, device=device, sources=sources, stats=stats, memo=memo)
     return stats

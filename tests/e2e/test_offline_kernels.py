@@ -2,7 +2,8 @@
 
 Runs only where the CUDA build of torch and its triton are installed (the build host of issue
 30; the CI's CPU torch refuses, tests/e2e/test_bad_input.py). That the plans equal those built
-on the GPU and run bitwise equal to eager is checked there: benchmarks/gpu/gpu_offline_kernels.sh.
+on the GPU and run bitwise equal to eager is checked there: benchmarks/gpu/gpu_offline_kernels.sh
+(a pipeline artifact's: benchmarks/gpu/gpu_pipeline.sh, case pp2-kernels).
 """
 
 from __future__ import annotations
@@ -80,3 +81,43 @@ def test_flex_builds_carry_the_fused_attention_kernels_as_plans(model, eos, tmp_
     names = sorted(k.name for data in _kernels(art).values() for k in decode_plan(data).kernels
                    if "flex_attention" in k.name)
     assert [n.split("_")[1] for n in names] == ["per", "tem", "tem"], names  # reduction, backward and forward templates
+
+
+def test_a_pipeline_artifact_carries_the_kernels_every_stage_loads_on_every_rank(tmp_path):
+    """pp 5 x tp 2 over 5 one-block stages: stage 2's programs are stage 1's relabeled (traced
+    by no rank), and tp binds rank-specific values; every region each rank's stages load on the
+    GPU (keyed as the run keys them, from the graphs bound to that rank) is a plan in the artifact."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan.runtime.contract.artifact import open_artifact
+    from titan.runtime.kernels.fusion import compiled_here, region_kernels
+    from titan.runtime.kernels.kernel_plan import decode_plan
+    from titan.runtime.rank_graphs import load_rank_graphs
+    from titan.runtime.stage_gather import gather_once
+
+    env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"), TITAN_KEY_FILE=str(tmp_path / "key" / "cache.key"))
+    out = tmp_path / "art"
+    r = titan("build", "--flavor", "debug", "--dtype", "bf16", "--n-layers", "5", "--pp", "5", "--tp", "2",
+              "--microbatches", "5", "--kernels", "--gpu", "h100", "--out", out, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "stage 2 relabeled from stage 1" in r.stdout, r.stdout
+    stage_lines = [x for x in r.stdout.splitlines() if x.startswith("  stage ")]
+    assert len(stage_lines) == 5 and all("left to compile" not in x for x in stage_lines), stage_lines
+    art = open_artifact(out, check_torch=False)
+    carried = set(art.manifest.kernels)
+    device = torch.device("cuda", 0)
+    groups = {dim: f"group-{dim}" for dim, _ in art.layout.mesh_shape()}
+    for rank in range(art.world_size):
+        for stage in art.manifest.stages_of(rank):
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                stored = load_rank_graphs(art, rank, device=device, groups=groups, stage=stage)
+                # As titan-run runs them by default: what the parameters alone determine, once per step.
+                cut = gather_once(*load_rank_graphs(art, rank, device=device, groups=groups, stage=stage),
+                                  n_params=len(art.rank_record(rank, stage=stage).params))
+            for graphs in (stored, (cut.forward, cut.backward)):
+                loaded = {key for gm in graphs
+                          for key, (kind, _, _) in region_kernels(gm, device=TARGETS["h100"].tag).items()
+                          if compiled_here(kind, device)}
+                assert loaded and loaded <= carried, (rank, stage, len(loaded - carried))
+    assert all(decode_plan(data).launches for data in _kernels(out).values())

@@ -14,7 +14,7 @@ from titan.runtime.contract.layout import Layout
 from titan.runtime.contract.manifest import Manifest, PipelinePlan, ProgramFiles
 from titan.runtime.contract.rank_record import StageIO
 
-from test_contract_records import _edit, _manifest
+from test_contract_records import DROP, _edit, _manifest
 
 SHAS = [c * 64 for c in "0123456789ab"]
 
@@ -57,15 +57,46 @@ def test_a_pipeline_manifest_reads_back_and_gives_each_rank_its_stages_programs(
     ("pipeline", None, "'pipeline' belongs with a pp mesh dimension, and a pp dimension needs it"),
     ("pipeline/stage_programs/1", [1], "'stage_programs' must give each of the 4 stages a program for each of its 2"),
     ("pipeline/stage_programs/1/0", 9, "stage_programs[1]: expected an integer in [0, 3], got 9"),
-    ("rank_programs/2", 0, "rank 2's program is not its first stage's (1)"),
+    ("rank_programs/2", 0, "rank 2's program in 'stage_programs' is not its first stage's (1)"),
     ("pipeline/schedule/actions/0/0", "0F9", "micro-batch out of range"),
     ("pipeline/schedule/stage_layers/3", [3, 5], "stage 3 stop: expected an integer in [0, 4], got 5"),
     ("pipeline/schedule/stage_rank/2", 1, "stage_rank [0, 1, 1, 1] is not interleaved-1f1b's placement"),
     ("model_config/n_layers", 5, "the stages hold 4 layers, the model has 5"),
     ("pipeline/extra", 1, "'pipeline' must hold exactly 'schedule' and 'stage_programs'"),
+    ("pipeline/redo_stage_programs", [[0, 0], [1, 1], [2, 2], [3, 3]],
+     "'pipeline' must hold exactly 'schedule' and 'stage_programs' (the redo programs exactly with a bounded"),
 ])
 def test_a_pipeline_manifest_titan_build_would_not_write_is_refused_in_one_line(path, value, message):
     doc = _edit(_json(_pipeline_manifest()), path, value)
+    with pytest.raises(ValueError, match="rebuild") as e:
+        Manifest.from_json(doc, "art")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def _redoing() -> dict:
+    """The pipeline manifest with a bounded MoE dispatch that redoes overflows: each stage's
+    dropless redo program beside its bounded one (here the same files)."""
+    doc = _json(_pipeline_manifest())
+    doc.update(format_version=3, moe_capacity={"factor": 1.25, "drop": False}, redo_programs=list(doc["programs"]),
+               redo_rank_programs=list(doc["rank_programs"]))
+    doc["pipeline"]["redo_stage_programs"] = [list(p) for p in doc["pipeline"]["stage_programs"]]
+    return doc
+
+
+def test_a_pipeline_with_redo_programs_gives_each_rank_its_stages_redo_programs():
+    manifest = Manifest.from_json(_redoing(), "art")
+    assert manifest.to_json() == _redoing()
+    assert manifest.redo_program_of(3, 3) == manifest.redo_programs[3]
+    assert manifest.redo_program_of(1, 2) == manifest.redo_programs[2] and manifest.redo_program_of(1) == manifest.redo_programs[0]
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("pipeline/redo_stage_programs/1/0", 7, "redo_stage_programs[1]: expected an integer in [0, 3], got 7"),
+    ("pipeline/redo_stage_programs/0/1", 1, "rank 1's program in 'redo_stage_programs' is not its first stage's (0)"),
+    ("pipeline/redo_stage_programs", DROP, "'pipeline' must hold exactly 'redo_stage_programs' and 'schedule' and"),
+])
+def test_a_pipeline_redo_record_titan_build_would_not_write_is_refused_in_one_line(path, value, message):
+    doc = _edit(_redoing(), path, value)
     with pytest.raises(ValueError, match="rebuild") as e:
         Manifest.from_json(doc, "art")
     assert message in str(e.value) and "\n" not in str(e.value)

@@ -26,11 +26,9 @@ FOUR_LAYERS = DEBUG | dict(shape={"n_layers": 4})
      "--pp-schedule interleaved-1f1b runs micro-batches in rounds of about --pp: --microbatches 5 is not a multiple "
      "of its 2 rounds; use a multiple of --pp"),
     (dict(pp=2, model="qwen3"), "--pp 2: this qwen3 flavor ties its output projection to the embedding, one "
-                                "weight the first and the last stage would share (not built); use an untied flavor "
-                                "(8B, 14B, 32B, debug-moe, 30B-A3B, 235B-A22B) or --pp 1"),
-    (dict(pp=2, model="deepseek_v3", ep=2, moe_capacity=1.25),
-     "--moe-capacity with --pp: pipeline stages are built with the dropless dispatch only so far (no bounded "
-     "program, no redo); drop --moe-capacity or use --pp 1"),
+                                "weight the first and the last stage would share, whose gradients would have to be "
+                                "summed across the two stages (not built); use an untied flavor (8B, 14B, 32B, "
+                                "debug-moe, 30B-A3B, 235B-A22B) or --pp 1"),
     (dict(pp=2, microbatches=1), "--pp-schedule 1f1b needs --microbatches >= --pp (1 < 2): its warm-up fills every "
                                  "stage; raise --microbatches or use --pp-schedule gpipe"),
     (dict(pp=2, pp_schedule="zb-h1"), "unknown --pp-schedule 'zb-h1'; use one of gpipe, 1f1b, interleaved-1f1b, zbv"),
@@ -96,3 +94,23 @@ def test_a_deepseek_pipeline_splits_dense_then_moe_blocks_by_what_a_token_runs_t
     assert costs.block_params[3] - costs.block_expert_params[3] == cfg.attention_params + cfg.feed_forward_params(
         moe=True, experts=0)
     assert sum(costs.block_params) + costs.embedding_params + costs.head_params == cfg.n_params
+
+
+def test_a_drop_and_pad_pipeline_builds_every_stage_bounded_and_says_so_in_its_name():
+    spec = make_spec(**(DEBUG | dict(model="deepseek_v3", pp=2, ep=2, microbatches=3, moe_capacity=0.5,
+                                     moe_drop=True)))
+    assert spec.name.endswith("-cap0.5-drop") and not spec.moe_redo
+    stages = spec.stage_builds()
+    assert [(s.moe_capacity, s.moe_drop) for s in stages] == [(0.5, True)] * 2
+    dropless = make_spec(**(DEBUG | dict(model="deepseek_v3", pp=2, ep=2, microbatches=3))).stage_builds()
+    assert {digest(build_factors(s)) for s in stages}.isdisjoint(digest(build_factors(s)) for s in dropless)
+
+
+def test_a_bounded_pipeline_that_stays_dropless_redoes_with_the_dropless_pipelines_own_stages():
+    bounded = make_spec(**(DEBUG | dict(model="deepseek_v3", pp=2, ep=2, microbatches=3, moe_capacity=1.25)))
+    assert bounded.moe_redo and bounded.name.endswith("-cap1.25")
+    plain = make_spec(**(DEBUG | dict(model="deepseek_v3", pp=2, ep=2, microbatches=3)))
+    # The redo programs are the dropless pipeline's stages: the same cache entries, traced once.
+    assert ([digest(build_factors(s)) for s in bounded.dropless().stage_builds()]
+            == [digest(build_factors(s)) for s in plain.stage_builds()])
+    assert all(s.moe_capacity == 1.25 and not s.moe_drop for s in bounded.stage_builds())

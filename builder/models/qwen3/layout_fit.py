@@ -15,9 +15,12 @@ def check_layout(cfg: Qwen3Config, layout: Layout) -> None:
     shards of dense weights (runtime/contract/shards.py); the stacked experts are cut on the
     expert dimension, which --dp-shard must divide (each rank holds whole experts)."""
     if layout.pp > 1 and cfg.tie_embeddings:
+        # One weight on two pp ranks: its two gradients would have to be summed between them
+        # before the clip (counted once in the norm) and the optimizer; stages do not share weights.
         raise ValueError(f"--pp {layout.pp}: this qwen3 flavor ties its output projection to the embedding, one "
-                         "weight the first and the last stage would share (not built); use an untied flavor "
-                         "(8B, 14B, 32B, debug-moe, 30B-A3B, 235B-A22B) or --pp 1")
+                         "weight the first and the last stage would share, whose gradients would have to be summed "
+                         "across the two stages (not built); use an untied flavor (8B, 14B, 32B, debug-moe, 30B-A3B, "
+                         "235B-A22B) or --pp 1")
     dense_hidden = any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     require_divides("tp", layout.tp, {"attention heads": cfg.n_heads, "key/value heads": cfg.n_kv_heads,
                                       "vocabulary size": cfg.vocab_size,
