@@ -127,7 +127,9 @@ def _cut(graph: fx.GraphModule, moved: list[fx.Node], values: dict[fx.Node, int]
     env: dict[fx.Node, fx.Node] = {}
     for node, i in values.items():
         env[node] = inputs[i]
-        inputs[i].meta = dict(node.meta)
+        # An input is in no fusion region: the region it was computed in, if any, is the gather's
+        # (run op by op), and the regions that read it take it across their boundary.
+        inputs[i].meta = {k: v for k, v in node.meta.items() if k != "titan_region"}
     for n in graph.graph.nodes:
         if n not in moved_set:
             env[n] = out.node_copy(n, env.__getitem__)

@@ -48,6 +48,30 @@ def test_a_1f1b_pipeline_trains_bitwise_as_torch_pipelining(pp2, tmp_path):
     _verify_bitwise(pp2, tmp_path, ranks=2)
 
 
+def test_the_regions_of_stages_gathered_once_are_the_gpu_run_s_own(tmp_path):
+    """bf16 stages have fusion regions around the parameters' casts; gathering once per step (the
+    default) moves those casts out, and what is left of each region still extracts and keys as
+    the GPU run compiles it (a moved value's input must not claim a region: found before a GPU
+    run, where it made every pipeline with regions fail to load)."""
+    import torch
+
+    from titan.runtime.contract.artifact import open_artifact
+    from titan.runtime.kernels.fusion import region_kernels
+    from titan.runtime.rank_graphs import load_rank_graphs
+    from titan.runtime.stage_gather import gather_once
+
+    art = open_artifact(_build(tmp_path, "--dtype", "bf16", "--pp", "2", "--microbatches", "2"), check_torch=False)
+    groups = {dim: f"group-{dim}" for dim, _ in art.layout.mesh_shape()}
+    for stage in range(2):
+        load = lambda: load_rank_graphs(art, stage, device=torch.device("cpu"), groups=groups, stage=stage)  # noqa: E731
+        stored = [set(region_kernels(gm, device="gpu")) for gm in load()]
+        cut = gather_once(*load(), n_params=len(art.rank_record(stage, stage=stage).params))
+        assert all(n.op != "placeholder" or "titan_region" not in n.meta for n in cut.forward.graph.nodes)
+        gathered = [set(region_kernels(gm, device="gpu")) for gm in (cut.forward, cut.backward)]
+        # The forward's regions that read a parameter's cast are keyed anew; the rest are the same kernels.
+        assert stored[0] and gathered[0] and stored[0] != gathered[0] and stored[0] & gathered[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, ranks", [
     (("--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "3", "--pp-split", "3,1"), 2),
