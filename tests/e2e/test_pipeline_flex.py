@@ -93,7 +93,7 @@ def test_a_token_file_with_another_separator_is_refused_by_a_pipeline(documents_
 @pytest.mark.parametrize("flags, message", [
     (("--mask", "document", "--eos-id", "1"), "--mask document needs --attention flex"),
     (("--attention", "flex", "--mask", "document"), "--mask document needs --eos-id ID"),
-    (("--model", "deepseek_v3", "--attention", "flex"), "deepseek_v3 has SDPA causal attention only"),
+    (("--attention", "flex", "--eos-id", "1"), "--eos-id is for --mask document only"),
 ])
 def test_what_a_flex_pipeline_cannot_be_is_one_line(flags, message):
     r = titan("build", "--flavor", "debug", "--pp", "2", *flags)
