@@ -111,6 +111,21 @@ def read_metrics(path: Path) -> list[dict]:
     return records[1:]
 
 
+def assert_resumes_bitwise(art: Path, tmp_path: Path) -> Path:
+    """Train `art` 4 steps straight, then 2 steps checkpointed and 2 more resumed: the same losses,
+    to the last bit. Returns the checkpoint directory."""
+    whole, first, rest = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "rest"))
+    ckpt = tmp_path / "ckpt"
+    assert titan("run", art, "--steps", 4, "--metrics", whole).returncode == 0
+    r = titan("run", art, "--steps", 2, "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--metrics", first)
+    assert r.returncode == 0, r.stderr
+    r = titan("run", art, "--steps", 4, "--checkpoint-dir", ckpt, "--resume", "--metrics", rest)
+    assert r.returncode == 0, r.stderr
+    losses = [rec["loss"] for rec in read_metrics(whole)]
+    assert len(losses) == 4 and losses == [rec["loss"] for f in (first, rest) for rec in read_metrics(f)]
+    return ckpt
+
+
 @pytest.fixture(scope="session")
 def debug_artifact(tmp_path_factory):
     """debug_artifact(tp=2, dp_shard=1, ...) -> path of a built debug artifact (built once)."""

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import read_metrics, titan
+from conftest import assert_resumes_bitwise, read_metrics, titan
 
 FOUR_LAYERS = ("--flavor", "debug", "--n-layers", "4")
 
@@ -135,15 +135,7 @@ def test_reducing_once_per_step_trains_as_the_default_within_rounding_with_fewer
 @pytest.mark.slow
 def test_a_checkpointed_pipeline_resumes_bitwise_and_exports_every_stage(pp2, tmp_path):
     art = pp2
-    whole, first, rest = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "rest"))
-    ckpt = tmp_path / "ckpt"
-    assert titan("run", art, "--steps", 4, "--metrics", whole).returncode == 0
-    r = titan("run", art, "--steps", 2, "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--metrics", first)
-    assert r.returncode == 0, r.stderr
-    r = titan("run", art, "--steps", 4, "--checkpoint-dir", ckpt, "--resume", "--metrics", rest)
-    assert r.returncode == 0, r.stderr
-    losses = [rec["loss"] for rec in read_metrics(whole)]
-    assert len(losses) == 4 and losses == [rec["loss"] for f in (first, rest) for rec in read_metrics(f)]
+    ckpt = assert_resumes_bitwise(art, tmp_path)
     r = titan("export", ckpt, "--hf", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
     from safetensors.torch import load_file

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from conftest import read_metrics, titan
+from conftest import assert_resumes_bitwise, read_metrics, titan
 
 STEPS = 10
 ONE_F_ONE_B = ("--pp", "2", "--microbatches", "3")  # stages: layers 0-1 (dense, MoE) and 2 (MoE)
@@ -71,15 +71,7 @@ def test_a_checkpointed_deepseek_stage_recomputes_from_the_bias_its_forward_read
 
 @pytest.mark.slow
 def test_a_deepseek_pipeline_resumes_bitwise_with_every_stages_buffers_and_exports_them(pp2_ep2, tmp_path):
-    whole, first, rest = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "rest"))
-    ckpt = tmp_path / "ckpt"
-    assert titan("run", pp2_ep2, "--steps", 4, "--metrics", whole).returncode == 0
-    r = titan("run", pp2_ep2, "--steps", 2, "--checkpoint-dir", ckpt, "--checkpoint-every", 2, "--metrics", first)
-    assert r.returncode == 0, r.stderr
-    r = titan("run", pp2_ep2, "--steps", 4, "--checkpoint-dir", ckpt, "--resume", "--metrics", rest)
-    assert r.returncode == 0, r.stderr
-    losses = [rec["loss"] for rec in read_metrics(whole)]
-    assert len(losses) == 4 and losses == [rec["loss"] for f in (first, rest) for rec in read_metrics(f)]
+    ckpt = assert_resumes_bitwise(pp2_ep2, tmp_path)
     # The checkpoint describes every stage's buffers, and the export carries both MoE blocks' bias.
     state = json.loads(next(ckpt.glob("step-*/titan.json")).read_text())
     assert {f"layers.{i}.feed_forward.expert_bias" for i in (1, 2)} <= set(state["buffers"])
