@@ -82,6 +82,25 @@ def test_a_deepseek_pipeline_resumes_bitwise_with_every_stages_buffers_and_expor
     assert {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)} <= names
 
 
+def _verified_then_run(art, tmp_path, *, steps: int, run_steps: int, verify: tuple = (),
+                       buffers: str = "") -> list[dict]:
+    """titan-verify `art` bitwise (losses, parameters and model buffers, `buffers` the count it
+    must say; clip 0.2, below the debug model's norms), then titan-run's metrics of its first
+    `run_steps`, whose losses must be titan-verify's."""
+    out = tmp_path / "verify.json"
+    r = titan("verify", art, *verify, "--steps", steps, "--max-norm", "0.2", "--json", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bitwise equal: yes" in r.stdout and f"model buffers after step {steps}: all bitwise equal{buffers}" in r.stdout
+    result = json.loads(out.read_text())
+    assert result["eager"] == result["artifact"] and result["parameters_differing"] == 0
+    metrics = tmp_path / "m.jsonl"
+    r = titan("run", art, "--steps", run_steps, "--max-norm", "0.2", "--metrics", metrics)
+    assert r.returncode == 0, r.stderr
+    records = read_metrics(metrics)
+    assert [rec["loss"] for rec in records] == [float.fromhex(x) for x in result["artifact"][:run_steps]]
+    return records
+
+
 @pytest.mark.slow
 def test_a_drop_and_pad_deepseek_pipeline_drops_as_torch_pipelining_dropping_at_the_same_capacity(tmp_path):
     # Capacity 0.5: every step drops assignments on both stages' MoE blocks, so a reference that
@@ -89,18 +108,8 @@ def test_a_drop_and_pad_deepseek_pipeline_drops_as_torch_pipelining_dropping_at_
     art = _build(tmp_path / "art", *ONE_F_ONE_B, "--moe-capacity", "0.5", "--moe-drop")
     r = titan("verify", art, "--steps", 1)
     assert r.returncode != 0 and r.stderr.count("error:") == 1 and "--moe-drop" in r.stderr, r.stdout + r.stderr
-    out = tmp_path / "verify.json"
-    r = titan("verify", art, "--moe-drop", "--steps", 3, "--max-norm", "0.2", "--json", out)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "bitwise equal: yes" in r.stdout
-    assert "model buffers after step 3: all bitwise equal (12 tensors on 4 ranks)" in r.stdout
-    result = json.loads(out.read_text())
-    assert result["eager"] == result["artifact"] and result["parameters_differing"] == 0
-    metrics = tmp_path / "m.jsonl"
-    r = titan("run", art, "--steps", 2, "--max-norm", "0.2", "--metrics", metrics)
-    assert r.returncode == 0, r.stderr
-    records = read_metrics(metrics)
-    assert [rec["loss"] for rec in records] == [float.fromhex(x) for x in result["artifact"][:2]]
+    records = _verified_then_run(art, tmp_path, steps=3, run_steps=2, verify=("--moe-drop",),
+                                 buffers=" (12 tensors on 4 ranks)")
     assert all(rec["dropped_tokens"] > 0 for rec in records)
 
 
@@ -115,17 +124,7 @@ def test_a_bounded_deepseek_pipeline_redoes_each_overflowing_stage_forward_and_s
     dropless program (its backward too, split in zbv), the others keep the bounded results. The
     reference is the dropless model under torch.distributed.pipelining: bitwise equal either way."""
     art = _build(tmp_path / "art", *schedule, "--moe-capacity", "1.05")
-    out = tmp_path / "verify.json"
-    r = titan("verify", art, "--steps", 4, "--max-norm", "0.2", "--json", out)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "bitwise equal: yes" in r.stdout and "model buffers after step 4: all bitwise equal" in r.stdout
-    result = json.loads(out.read_text())
-    assert result["eager"] == result["artifact"] and result["parameters_differing"] == 0
-    metrics = tmp_path / "m.jsonl"
-    r = titan("run", art, "--steps", 4, "--max-norm", "0.2", "--metrics", metrics)
-    assert r.returncode == 0, r.stderr
-    records = read_metrics(metrics)
-    assert [rec["loss"] for rec in records] == [float.fromhex(x) for x in result["artifact"]]
+    records = _verified_then_run(art, tmp_path, steps=4, run_steps=4)
     redone = [rec["moe_redone"] for rec in records]  # rank 0's stages: 3 MoE forwards a step
     assert sum(redone) > 0 and min(redone) < 3, redone
     assert all(rec["dropped_tokens"] == 0 for rec in records)
