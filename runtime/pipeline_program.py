@@ -74,7 +74,8 @@ class PipelineProgram:
                     short="program"):
             for s in held:
                 record = artifact.rank_record(rank, stage=s)
-                forward, backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh), stage=s)
+                groups = group_names(mesh)
+                forward, backward = load_rank_graphs(artifact, rank, device=device, groups=groups, stage=s)
                 # Each micro-batch in flight holds its own saved activations (the schedule's peak).
                 check_device(estimate_from_graphs(record, forward, backward, dense_flex=device.type != "cuda"),
                              device, name=f"{artifact.root} rank {rank} stage {s}")
@@ -89,7 +90,8 @@ class PipelineProgram:
                 if gather_per_step:
                     self.gathers[s] = gather_once(forward, backward, n_params=len(record.params))
                     forward, backward = self.gathers[s].forward, self.gathers[s].backward
-                if reduce_per_step and (cut := reduce_once(backward, n_params=len(record.params))) is not None:
+                if reduce_per_step and (cut := reduce_once(backward, n_params=len(record.params),
+                                                             groups=groups)) is not None:
                     self.reduces[s] = cut
                     backward = cut.compute
                 self.fusion = compile_program_regions(forward, backward, device, stats=self.fusion,

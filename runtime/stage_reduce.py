@@ -4,8 +4,10 @@
 A stage program's backward reduce-scatters its gradients itself (SimpleFSDP): each bucket's
 unsharded gradient, summed over the dp-shard ranks, comes back as this rank's shards; a pipeline
 runs that backward, and so the reduce-scatters, once per micro-batch, and adds the shards up.
-`reduce_once` cuts the backward at its reduce-scatters, at load (a pure function on fx graphs, no
-format change, as stage_gather.py):
+`reduce_once` cuts the backward at those gradient reduce-scatters (the ones over a data-parallel
+group; tensor parallelism's reduce-scatters of activation gradients stay where they are: each
+micro-batch's backward needs their results), at load (a pure function on fx graphs, no format
+change, as stage_gather.py):
 
 - compute: (the backward's inputs...) -> (partials..., parameter gradients..., input gradients...):
   everything before the reduce-scatters; `partials` are what they read (each bucket's unsharded
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from titan.runtime.contract.layout import DP_DIMS
 
 _c10d = torch.ops._c10d_functional
 _REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
@@ -52,16 +56,22 @@ def _linear(node: fx.Node) -> bool:
     return target in _LINEAR or target.is_view
 
 
-def reduce_once(backward: fx.GraphModule, *, n_params: int) -> StageReduce | None:
-    """The backward cut at its reduce-scatters (module docstring); None if it has none. Its first
-    `n_params` outputs are the parameters' gradients. Raises ValueError where what follows a
+def _reduces_gradients(node: fx.Node, dp_groups: set[str]) -> bool:
+    return node.op == "call_function" and node.target is _REDUCE_SCATTER and node.args[3] in dp_groups
+
+
+def reduce_once(backward: fx.GraphModule, *, n_params: int, groups: dict[str, str]) -> StageReduce | None:
+    """The backward cut at its gradient reduce-scatters (module docstring); None if it has none.
+    Its first `n_params` outputs are the parameters' gradients; `groups` maps mesh dimensions to
+    the process-group names its collectives carry. Raises ValueError where what follows a gradient
     reduce-scatter is not linear or feeds more than parameter gradients."""
+    dp_groups = {groups[dim] for dim in DP_DIMS if dim in groups}
     nodes = list(backward.graph.nodes)
     output = nodes[-1]
     outputs = list(output.args[0])
     after: set[fx.Node] = set()
     for n in nodes:
-        if (n.op == "call_function" and n.target is _REDUCE_SCATTER) or any(i in after for i in n.all_input_nodes):
+        if _reduces_gradients(n, dp_groups) or any(i in after for i in n.all_input_nodes):
             if n is not output:
                 after.add(n)
     if not after:

@@ -21,9 +21,11 @@ def _add(*counts: dict[str, int], times: int = 1) -> dict[str, int]:
     return out
 
 
-def stage_collectives(art: Artifact, rank: int, stage: int) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+def stage_collectives(art: Artifact, rank: int, stage: int
+                      ) -> tuple[dict[str, int], dict[str, int], dict[str, int] | str]:
     """(per step with the gather once per step, with a gather in every micro-batch, with the
-    reduce once per step too) of `rank`'s `stage`: collectives of each kind."""
+    reduce once per step too) of `rank`'s `stage`: collectives of each kind; the last is the
+    reason instead where the stage cannot reduce once per step."""
     record = art.rank_record(rank, stage=stage)
     groups = {dim: dim for dim, _ in art.layout.mesh_shape()}
     forward, backward = load_rank_graphs(art, rank, device=torch.device("cpu"), groups=groups, stage=stage)
@@ -32,7 +34,10 @@ def stage_collectives(art: Artifact, rank: int, stage: int) -> tuple[dict[str, i
     once = _add(count_collectives(cut.gather), _add(count_collectives(cut.forward), count_collectives(cut.backward),
                                                     times=m))
     every = _add(count_collectives(forward), count_collectives(backward), times=m)
-    reduced = reduce_once(cut.backward, n_params=len(record.params))
+    try:
+        reduced = reduce_once(cut.backward, n_params=len(record.params), groups=groups)
+    except ValueError as refused:
+        return once, every, str(refused)
     both = once if reduced is None else _add(
         count_collectives(cut.gather), count_collectives(reduced.reduce),
         _add(count_collectives(cut.forward), count_collectives(reduced.compute), times=m))
@@ -49,5 +54,6 @@ def pipeline_collective_lines(art: Artifact, rank: int) -> list[str]:
         once, every, both = stage_collectives(art, rank, s)
         lines.append(f"  stage {s}: {fmt(once)} (parameters gathered once per step: titan-run's default); "
                      f"{fmt(every)} (gathered in every micro-batch: --no-pp-gather-per-step); "
-                     f"{fmt(both)} (gradients reduced once per step too: --pp-reduce-per-step)")
+                     + (f"{fmt(both)} (gradients reduced once per step too: --pp-reduce-per-step)"
+                        if isinstance(both, dict) else both))
     return lines

@@ -26,6 +26,7 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 CFG = dataclasses.replace(FLAVORS["debug"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512)
 ROWS, SEQ = 2, 16
+DP_SHARD = {"dp_shard": "dp_shard"}
 
 
 @pytest.mark.parametrize("place", ["first", "last"])
@@ -96,14 +97,14 @@ def test_a_backward_recomputing_a_gathered_value_reads_the_forwards():
     assert count_collectives(cut.gather) == {}
 
 
-def _backward_with_a_reduce_scatter(after) -> fx.GraphModule:
-    """(saved x, grad_y) -> (grad of w: reduce-scattered x^T grad_y, then `after`; grad of x)."""
+def _backward_with_a_reduce_scatter(after, group: str = "dp_shard") -> fx.GraphModule:
+    """(saved x, grad_y) -> (grad of w: x^T grad_y reduce-scattered over `group`, then `after`; grad of x)."""
     g = fx.Graph()
     x, grad_y = g.placeholder("x"), g.placeholder("grad_y")
     bucket = g.call_function(aten.view.default, (g.call_function(aten.mm.default, (g.call_function(aten.t.default, (x,)),
                                                                                   grad_y)), [-1]))
     reduced = g.call_function(c10d.wait_tensor.default,
-                              (g.call_function(c10d.reduce_scatter_tensor.default, (bucket, "sum", 2, "dp_shard")),))
+                              (g.call_function(c10d.reduce_scatter_tensor.default, (bucket, "sum", 2, group)),))
     grad_x = g.call_function(aten.mm.default, (grad_y, x))
     g.output((after(g, reduced), grad_x))
     return fx.GraphModule(torch.nn.Module(), g)
@@ -112,16 +113,20 @@ def _backward_with_a_reduce_scatter(after) -> fx.GraphModule:
 
 def test_reducing_once_per_step_moves_the_reduce_scatters_and_what_cuts_their_results():
     cut = reduce_once(_backward_with_a_reduce_scatter(lambda g, r: g.call_function(aten.view.default, (r, [2, 4]))),
-                      n_params=1)
+                      n_params=1, groups=DP_SHARD)
     assert cut.n_partials == 1  # the unsharded bucket, summed over the micro-batches
     assert count_collectives(cut.compute) == {} and count_collectives(cut.reduce) == {"reduce-scatter": 1}
     out = next(n for n in cut.compute.graph.nodes if n.op == "output").args[0]
     assert out[1] is None and out[0].target is aten.view.default and out[2].target is aten.mm.default
     assert [n.target for n in cut.reduce.graph.nodes if n.op == "call_function"] == [
         c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default, aten.view.default]
-    assert reduce_once(fx.symbolic_trace(lambda x: (x * 2,)), n_params=1) is None  # nothing to reduce
+    assert reduce_once(fx.symbolic_trace(lambda x: (x * 2,)), n_params=1, groups=DP_SHARD) is None  # nothing to reduce
+    # Tensor parallelism's reduce-scatters (activation gradients every micro-batch needs) are not gradient reductions.
+    tp_only = _backward_with_a_reduce_scatter(lambda g, r: g.call_function(aten.mul.Tensor, (r, r)), group="tp")
+    assert reduce_once(tp_only, n_params=1, groups={"dp_shard": "dp_shard", "tp": "tp"}) is None
 
 
 def test_reducing_once_per_step_is_refused_where_a_reduced_gradient_is_not_cut_linearly():
     with pytest.raises(ValueError, match="cannot wait for the step's last micro-batch"):
-        reduce_once(_backward_with_a_reduce_scatter(lambda g, r: g.call_function(aten.mul.Tensor, (r, r))), n_params=1)
+        reduce_once(_backward_with_a_reduce_scatter(lambda g, r: g.call_function(aten.mul.Tensor, (r, r))), n_params=1,
+                    groups=DP_SHARD)
