@@ -1,25 +1,25 @@
-"""A pipeline stage's gradient reduce-scatters run once per step, after its last micro-batch
+"""A pipeline stage's gradient reductions run once per step, after its last micro-batch
 (titan-run --pp-reduce-per-step, opt-in: it changes the numerics).
 
-A stage program's backward reduce-scatters its gradients itself (SimpleFSDP): each bucket's
-unsharded gradient, summed over the dp-shard ranks, comes back as this rank's shards; a pipeline
-runs that backward, and so the reduce-scatters, once per micro-batch, and adds the shards up.
-`reduce_once` cuts the backward at those gradient reduce-scatters (the ones over a data-parallel
-group; tensor parallelism's reduce-scatters of activation gradients stay where they are: each
-micro-batch's backward needs their results), at load (a pure function on fx graphs, no format
-change, as stage_gather.py):
+A stage program's backward reduces its gradients itself over the data-parallel groups: SimpleFSDP
+reduce-scatters each bucket's unsharded gradient over the dp-shard ranks, and all-reduces over the
+replicas (HSDP) or over the ranks that share an expert-parallel MoE's dense parameters. A pipeline
+runs that backward, and so those collectives, once per micro-batch, and adds the results up.
+`reduce_once` cuts the backward where those reductions start (tensor parallelism's collectives, of
+activation gradients each micro-batch needs, stay where they are), at load (a pure function on fx
+graphs, no format change, as stage_gather.py):
 
 - compute: (the backward's inputs...) -> (partials..., parameter gradients..., input gradients...):
-  everything before the reduce-scatters; `partials` are what they read (each bucket's unsharded
-  gradient), the parameter gradients None where the reduce part gives them;
-- reduce:  (partials...) -> (parameter gradients...): the reduce-scatters, their waits and what
-  cuts the reduced buckets into each parameter's shard (None for a gradient the compute part gives).
+  everything before the reductions; `partials` are what they read (each bucket's or parameter's
+  unreduced gradient), the parameter gradients None where the reduce part gives them;
+- reduce:  (partials...) -> (parameter gradients...): the reductions, their waits and what cuts
+  the reduced buckets into each parameter's shard (None for a gradient the compute part gives).
 
 The stage sums each micro-batch's partials (in micro-batch order) and runs the reduce part once
 after its last backward. The reduce part is linear (collectives that sum, copies, views), so this
 is the same sum, in another order: reduce(g0 + g1 + ...) instead of reduce(g0) + reduce(g1) + ...,
 so the result differs in the last bits (not bitwise titan-verify's reference). Memory: each
-stage holds its unsharded fp32 gradient buckets for the step.
+stage holds its unreduced fp32 gradients for the step.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from titan.runtime.contract.layout import DP_DIMS
 
 _c10d = torch.ops._c10d_functional
 _REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+_ALL_REDUCE = _c10d.all_reduce.default
 # What the reduce part may hold: ops linear in the summed partials.
-_LINEAR = {_REDUCE_SCATTER, _c10d.wait_tensor.default, _c10d.all_reduce.default, torch.ops.aten.clone.default,
+_LINEAR = {_REDUCE_SCATTER, _c10d.wait_tensor.default, _ALL_REDUCE, torch.ops.aten.cat.default, torch.ops.aten.clone.default,
            torch.ops.aten._to_copy.default, torch.ops.aten.contiguous.default}
 
 
@@ -51,17 +52,45 @@ def _linear(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    if target in (_REDUCE_SCATTER, _c10d.all_reduce.default) and node.args[1] != "sum":
+    if target in (_REDUCE_SCATTER, _ALL_REDUCE) and node.args[1] != "sum":
         return False
     return target in _LINEAR or target.is_view
 
 
-def _reduces_gradients(node: fx.Node, dp_groups: set[str]) -> bool:
-    return node.op == "call_function" and node.target is _REDUCE_SCATTER and node.args[3] in dp_groups
+def _over(node: fx.Node, target, dp_groups: set[str]) -> bool:
+    return node.op == "call_function" and node.target is target and node.args[-1] in dp_groups
+
+
+def _only_reduces_gradients(node: fx.Node, output: fx.Node, n_params: int) -> bool:
+    """Whether all that follows `node` is linear and ends in parameter gradients alone."""
+    others = {g for g in output.args[0][n_params:] if isinstance(g, fx.Node)}
+    seen, todo = {node}, [node]
+    while todo:
+        n = todo.pop()
+        if n in others:
+            return False
+        for u in n.users:
+            if u is not output and u not in seen:
+                if not _linear(u):
+                    return False
+                seen.add(u)
+                todo.append(u)
+    return True
+
+
+def _gradient_reductions(nodes: list[fx.Node], dp_groups: set[str], n_params: int) -> set[fx.Node]:
+    """Where the backward starts reducing gradients over the data-parallel groups: each
+    reduce-scatter (SimpleFSDP's, of a bucket) and each all-reduce whose results become parameter
+    gradients alone, linearly (HSDP's over the replicas, or the ranks that share the dense
+    parameters of an expert-parallel MoE). An all-reduce over those groups that feeds more (a
+    statistic the backward computes with) stays in every micro-batch."""
+    output = nodes[-1]
+    return {n for n in nodes if _over(n, _REDUCE_SCATTER, dp_groups) or (
+        _over(n, _ALL_REDUCE, dp_groups) and _linear(n) and _only_reduces_gradients(n, output, n_params))}
 
 
 def reduce_once(backward: fx.GraphModule, *, n_params: int, groups: dict[str, str]) -> StageReduce | None:
-    """The backward cut at its gradient reduce-scatters (module docstring); None if it has none.
+    """The backward cut where it starts reducing gradients (module docstring); None if it does not.
     Its first `n_params` outputs are the parameters' gradients; `groups` maps mesh dimensions to
     the process-group names its collectives carry. Raises ValueError where what follows a gradient
     reduce-scatter is not linear or feeds more than parameter gradients."""
@@ -69,9 +98,10 @@ def reduce_once(backward: fx.GraphModule, *, n_params: int, groups: dict[str, st
     nodes = list(backward.graph.nodes)
     output = nodes[-1]
     outputs = list(output.args[0])
+    starts = _gradient_reductions(nodes, dp_groups, n_params)
     after: set[fx.Node] = set()
     for n in nodes:
-        if _reduces_gradients(n, dp_groups) or any(i in after for i in n.all_input_nodes):
+        if n in starts or any(i in after for i in n.all_input_nodes):
             if n is not output:
                 after.add(n)
     if not after:

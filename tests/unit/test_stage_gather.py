@@ -130,3 +130,29 @@ def test_reducing_once_per_step_is_refused_where_a_reduced_gradient_is_not_cut_l
     with pytest.raises(ValueError, match="cannot wait for the step's last micro-batch"):
         reduce_once(_backward_with_a_reduce_scatter(lambda g, r: g.call_function(aten.mul.Tensor, (r, r))), n_params=1,
                     groups=DP_SHARD)
+
+
+def test_reducing_once_per_step_moves_the_replicas_all_reduces_and_keeps_a_statistic_the_backward_uses():
+    """HSDP: each parameter's gradient all-reduced over the replicas, the bucket (a cat of them)
+    reduce-scattered over dp-shard: all of it moves. An all-reduce over a data-parallel group whose
+    result the backward computes with (a statistic) stays in every micro-batch."""
+    g = fx.Graph()
+    x, grad_y = g.placeholder("x"), g.placeholder("grad_y")
+    grads = [g.call_function(aten.mm.default, (g.call_function(aten.t.default, (x,)), grad_y)) for _ in range(2)]
+    summed = [g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default,
+                                                                           (w, "sum", "dp_replicate")),)) for w in grads]
+    bucket = g.call_function(aten.cat.default, ([g.call_function(aten.view.default, (w, [-1])) for w in summed],))
+    shard = g.call_function(c10d.wait_tensor.default,
+                            (g.call_function(c10d.reduce_scatter_tensor.default, (bucket, "sum", 2, "dp_shard")),))
+    halves = [g.call_function(aten.slice.Tensor, (shard, 0, i * 4, i * 4 + 4)) for i in range(2)]
+    statistic = g.call_function(c10d.wait_tensor.default,
+                                (g.call_function(c10d.all_reduce.default, (grad_y, "sum", "dp_replicate")),))
+    g.output((*halves, g.call_function(aten.mul.Tensor, (x, statistic))))
+    hsdp = {"dp_replicate": "group-r", "dp_shard": "group-s"}
+    for n in g.nodes:  # the collectives name this process's groups, as titan-run binds them
+        if n.target in (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default):
+            n.args = (*n.args[:-1], hsdp[n.args[-1]])
+    cut = reduce_once(fx.GraphModule(torch.nn.Module(), g), n_params=2, groups=hsdp)
+    assert cut.n_partials == 2  # each parameter's gradient before the replicas' all-reduce
+    assert count_collectives(cut.reduce) == {"all-reduce": 2, "reduce-scatter": 1}
+    assert count_collectives(cut.compute) == {"all-reduce": 1}
