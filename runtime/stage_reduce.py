@@ -35,8 +35,8 @@ _c10d = torch.ops._c10d_functional
 _REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 _ALL_REDUCE = _c10d.all_reduce.default
 # What the reduce part may hold: ops linear in the summed partials.
-_LINEAR = {_REDUCE_SCATTER, _c10d.wait_tensor.default, _ALL_REDUCE, torch.ops.aten.cat.default, torch.ops.aten.clone.default,
-           torch.ops.aten._to_copy.default, torch.ops.aten.contiguous.default}
+_LINEAR = {_REDUCE_SCATTER, _c10d.wait_tensor.default, _ALL_REDUCE, torch.ops.aten.cat.default,
+           torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.contiguous.default}
 
 
 @dataclass(frozen=True)

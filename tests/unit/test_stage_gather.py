@@ -139,8 +139,8 @@ def test_reducing_once_per_step_moves_the_replicas_all_reduces_and_keeps_a_stati
     g = fx.Graph()
     x, grad_y = g.placeholder("x"), g.placeholder("grad_y")
     grads = [g.call_function(aten.mm.default, (g.call_function(aten.t.default, (x,)), grad_y)) for _ in range(2)]
-    summed = [g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default,
-                                                                           (w, "sum", "dp_replicate")),)) for w in grads]
+    summed = [g.call_function(c10d.wait_tensor.default,
+                              (g.call_function(c10d.all_reduce.default, (w, "sum", "dp_replicate")),)) for w in grads]
     bucket = g.call_function(aten.cat.default, ([g.call_function(aten.view.default, (w, [-1])) for w in summed],))
     shard = g.call_function(c10d.wait_tensor.default,
                             (g.call_function(c10d.reduce_scatter_tensor.default, (bucket, "sum", 2, "dp_shard")),))
