@@ -72,9 +72,9 @@ class PipelineProgram:
         held = manifest.stages_of(rank)
         with phases(f"rank {rank}: loading and checking its stage program(s) {', '.join(map(str, held))}",
                     short="program"):
+            groups = group_names(mesh)
             for s in held:
                 record = artifact.rank_record(rank, stage=s)
-                groups = group_names(mesh)
                 forward, backward = load_rank_graphs(artifact, rank, device=device, groups=groups, stage=s)
                 # Each micro-batch in flight holds its own saved activations (the schedule's peak).
                 check_device(estimate_from_graphs(record, forward, backward, dense_flex=device.type != "cuda"),
