@@ -2,7 +2,7 @@
 # GPU-host run, one call on one GPU (issue 30): start-up and steady state against every peer row,
 # the independent plain Llama (benchmarks/plain_llama.py) among them; the tables print last.
 #   bash benchmarks/gpu/gpu_issue30.sh        (one H100, about 9 minutes; carry .whl for the tt rows)
-# Overrides: STEADY_SEQS="8192 2048" MODES=... LATER_MODES=... STEPS=12 MAX_NORM=1.0 STARTUP_SEQ=2048 STARTUP_STEPS=6 REPEAT=1
+# Overrides: VERIFY=1 STEADY_SEQS="8192 2048" MODES=... LATER_MODES=... STEPS=12 MAX_NORM=1.0 STARTUP_SEQ=2048 STARTUP_STEPS=6 REPEAT=1
 #            BUDGET=540 (seconds: each phase is stopped so that the call ends by then)
 #  1. titan (editable) and the pinned peer wheels, as gpu_peers.sh;
 #  2. in the background, the 1B artifacts into the call's build cache: seq STARTUP_SEQ with and
@@ -11,11 +11,13 @@
 #  3. steady state at the first of STEADY_SEQS, rows without an artifact first while the builds
 #     run (train_bench.py, BENCH_PROFILE: each row's last two steps profiled, out of the medians;
 #     every row clips at --max-norm MAX_NORM, default 1.0 as train_bench's; 0: no row clips);
-#  4. start-up, once the builds are done and nothing else runs (benchmarks/startup_table.py):
+#  4. titan-verify --deterministic of the default artifact at STARTUP_SEQ, 3 steps (bitwise, its
+#     exact regions compiled on this GPU; VERIFY=0 skips it);
+#  5. start-up, once the builds are done and nothing else runs (benchmarks/startup_table.py):
 #     plain eager, plain per-block compile cold and warm, titan from the --kernels artifact on an
 #     empty cache, the default flow's first run on an empty cache, and its second run;
-#  5. steady state at the other seqs;
-#  6. the tables (benchmarks/issue30_report.py): where each row's time goes with the matmuls'
+#  6. steady state at the other seqs;
+#  7. the tables (benchmarks/issue30_report.py): where each row's time goes with the matmuls'
 #     TFLOP/s against the measured peak; steady state with x best peer and the targets;
 #     start-up with its targets and each row's warning/traceback line count (the no-noise check).
 # Raw: $OUT/steady-SEQ.json, $OUT/profile-SEQ/, $OUT/startup.json; logs $OUT/*.txt, $OUT/startup-logs/.
@@ -78,6 +80,12 @@ steady "$first_seq" "$(at_most 260 190)" "$MODES"
 # The builds, but not past the time the rest needs (a missing artifact fails its rows, and says so).
 while kill -0 $builds 2>/dev/null && [ "$(left)" -gt 200 ]; do sleep 2; done
 cat "$OUT/builds.txt"; rm -f "$OUT/startup.json"
+# The default artifact against eager, bit for bit (its exact regions compiled here); VERIFY=0 skips.
+if [ "${VERIFY:-1}" = 1 ]; then
+  timeout "$(at_most 150 190)" titan-verify "artifacts/i30-default-$STARTUP_SEQ" --steps 3 --device cuda --deterministic \
+    --max-norm "${MAX_NORM:-1.0}" > "$OUT/verify.txt" 2>&1
+  echo "== titan-verify --deterministic, 1B seq $STARTUP_SEQ, 3 steps: exit $? [$(elapsed) s]"; tail -4 "$OUT/verify.txt" | cut -c1-160
+fi
 timeout "$(at_most 170 40)" python3 benchmarks/startup_table.py --kernels-artifact "artifacts/i30-kernels-$STARTUP_SEQ" \
   --artifact "artifacts/i30-default-$STARTUP_SEQ" --flavor "$FLAVOR" --seq-len "$STARTUP_SEQ" \
   --steps "${STARTUP_STEPS:-6}" --repeat "${REPEAT:-1}" --timeout 100 --json "$OUT/startup.json" \

@@ -35,6 +35,11 @@ aten = torch.ops.aten
 # Left to their own libraries: matmuls (cuBLAS), attention (flash), collectives (NCCL).
 _NOT_FUSED = {aten.mm.default, aten.bmm.default, aten.addmm.default, WAIT, *STARTS}
 MIN_REGION_OPS = 2
+LONE_CAST_MIN_ELEMENTS = 1 << 20
+"""A dtype cast alone is a region from this many elements on: ATen's casting copy streamed at
+0.9 TB/s (bf16 -> fp32 weight gradients) and 1.8 TB/s (fp32 -> bf16 parameters) on an H100 in
+issue 30's profile, 13.5 ms of a 1B step at seq 8192, where a generated kernel streams near the
+memory's bandwidth. A cast rounds once, so every kernel gives the same bits."""
 
 
 # Element-wise ops whose fused kernels measured torch.equal to eager (benchmarks/exact_ops.py,
@@ -210,6 +215,19 @@ def _without_cycles(graph: fx.Graph, regions: list[list[fx.Node]], pos: dict[fx.
     return regions
 
 
+def _worth_a_kernel(region: list[fx.Node]) -> bool:
+    """Some computation (views alone compile to nothing): at least MIN_REGION_OPS ops, or one
+    large dtype cast."""
+    ops = [n for n in region if n.target is not operator.getitem and not n.target.is_view]
+    return len(ops) >= MIN_REGION_OPS or (len(ops) == 1 and _large_cast(ops[0]))
+
+
+def _large_cast(n: fx.Node) -> bool:
+    val, src = n.meta.get("val"), n.args[0].meta.get("val") if n.args and isinstance(n.args[0], fx.Node) else None
+    return (n.target is aten._to_copy.default and isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)
+            and val.dtype != src.dtype and val.numel() >= LONE_CAST_MIN_ELEMENTS)
+
+
 def fuse_regions_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
     """One region per module instance of a kind the model names (Llama: RMSNorm, RoPE, SwiGLU
     and the loss)."""
@@ -244,9 +262,7 @@ def _tag_regions(gm: fx.GraphModule, key: dict[fx.Node, str]) -> fx.GraphModule:
     pos = {n: i for i, n in enumerate(graph.nodes)}
     regions = _without_cycles(graph, [sorted(group, key=pos.__getitem__) for group in _convex_groups(graph, key)], pos)
     regions.sort(key=lambda r: pos[r[0]])
-    # A region needs some computation: views alone compile to nothing.
-    regions = [r for r in regions
-               if sum(n.target is not operator.getitem and not n.target.is_view for n in r) >= MIN_REGION_OPS]
+    regions = [r for r in regions if _worth_a_kernel(r)]
     region_of = {n: i for i, r in enumerate(regions) for n in r}
     stable_toposort(graph, together=region_of)
     for i, r in enumerate(regions):

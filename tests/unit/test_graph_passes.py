@@ -324,6 +324,23 @@ def test_fuse_exact_makes_each_region_consecutive():
     assert regions(gm) == ["mul: exact#0", "add: exact#0"]
 
 
+def test_a_large_dtype_cast_alone_is_a_region_and_a_small_one_or_a_lone_op_is_not():
+    # The weight gradient's cast (bf16 -> fp32 after its matmul) and the parameter's (fp32 ->
+    # bf16 before one): each the only exact op between matmuls and outputs.
+    g = HandGraph()
+    x = g.input("x", (1024, 2048), torch.bfloat16)
+    w = g.input("w", (1024, 1024))
+    small = g.input("small", (1024,))
+    grad = g(aten._to_copy.default, g(aten.t.default, g(aten.mm.default, g(aten.t.default, x), x)), dtype=torch.float32)
+    weight = g(aten.t.default, g(aten._to_copy.default, w, dtype=torch.bfloat16))
+    y = g(aten.mm.default, g(aten.t.default, x), weight)
+    norm_weight = g(aten._to_copy.default, small, dtype=torch.bfloat16)  # 1,024 elements: ATen's copy is fine
+    same_dtype = g(aten.clone.default, w)                                  # not a cast: one op, no region
+    gm = fuse_exact_pass(g.finish(grad, y, norm_weight, same_dtype), ctx=context())
+    # The casts with the views beside them; the small cast and the lone clone stay on ATen.
+    assert regions(gm) == ["t_1: exact#0", "_to_copy: exact#0", "_to_copy_1: exact#1", "t_2: exact#1"]
+
+
 def test_exact_regions_that_would_need_each_other_are_split_until_they_can_be_ordered():
     # Two groups, each convex alone, where each needs the other's output through a reduction
     # (as RMSNorm's recomputed forward and its backward do): run as two units they would
