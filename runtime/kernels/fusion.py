@@ -137,6 +137,8 @@ class KernelSources:
         self.shareable = device.type != "cuda" or device.index in (None, 0)
         self._store = store
         self.recorded: dict[str, str] = {}
+        self.compiled_by_workers: frozenset[str] = frozenset()
+        """Keys this run's compile workers put into the store (runtime/kernels/compile_workers.py)."""
 
     @property
     def store(self) -> KernelStore:
@@ -156,6 +158,14 @@ def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule, d
         return None
     sources = KernelSources(device=device, artifact_kernel=artifact_kernel)
     stats, memo = stats or FusionStats(), {}
+    t0 = time.perf_counter()
+    from titan.runtime.kernels.compile_workers import compile_in_parallel
+    parallel = compile_in_parallel((forward, backward), device, sources)
+    if parallel is not None:
+        sources.compiled_by_workers = parallel.stored
+        stats.workers = max(stats.workers, parallel.workers)
+        stats.worker_failures += parallel.failures
+        stats.seconds += time.perf_counter() - t0
     for gm in (forward, backward):
         compile_regions(gm, device=device, sources=sources, stats=stats, memo=memo)
     return stats
@@ -173,6 +183,9 @@ class FusionStats:
     """Regions compiled or loaded as kernel plans (launched without inductor)."""
     ignored: int = 0
     """Kernels the artifact carries that are not plans for this device (compiled here instead)."""
+    workers: int = 0
+    """Processes that compiled regions in parallel (runtime/kernels/compile_workers.py)."""
+    worker_failures: tuple[str, ...] = ()
     seconds: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)
 
@@ -183,6 +196,9 @@ class FusionStats:
                 + (f" ({self.unstored} not stored)" if self.unstored else "")
                 + (f"; {self.planned} as kernel plans" if self.planned else "")
                 + (f"; {self.ignored} of the artifact's kernels are not plans for this device" if self.ignored else "")
+                + (f"; compiled by {self.workers} processes in parallel" if self.workers else "")
+                + (f" ({len(self.worker_failures)} failed, their regions compiled here: {self.worker_failures[0]})"
+                   if self.worker_failures else "")
                 + ("" if "torch._inductor" in sys.modules else "; inductor not loaded"))
 
 
@@ -385,7 +401,10 @@ def load_kernel(key: str, compile_here: Callable[[], tuple], device: torch.devic
                     stats.planned += 1
                     sources.recorded[key] = store.save(key, plan, device=device_tag(device))
                 return compiled
-    stats.loaded += 1
+    if key in sources.compiled_by_workers:
+        stats.compiled += 1  # by this run, in a worker process
+    else:
+        stats.loaded += 1
     stats.planned += 1
     sources.recorded[key] = found[1]
     return region

@@ -1,0 +1,155 @@
+"""A rank's missing regions compiled by parallel processes before it compiles them one by one.
+
+On a fresh host the default flow compiles every distinct exact region at start: 33 for Llama 3
+1B, about 0.6 s each on an H200 host, 20 s one after another (issue 30's start-up table), most of
+a first run's start. Inductor compiles one graph at a time in a process, so the regions that
+neither the artifact nor the kernel store has are shared among worker processes
+(`python -m titan.runtime.kernels.compile_workers`), each compiling its share through
+load_kernel (under the key's lock, into the kernel store) while the rank waits; the rank's own
+pass then finds them in the store as plans. Nothing depends on a worker: what one did not
+store, the rank compiles itself, as before.
+
+Only where it pays and is safe: on a GPU whose kernels are shared (cuda:0, fusion.py), with
+at least two regions missing and CPUs to spare (the host's CPUs over its ranks, at most
+MAX_WORKERS; TITAN_COMPILE_WORKERS sets the number, 0 or 1: none). Plans exist on GPUs only,
+so a worker elsewhere would store nothing.
+
+A job is a region as a titan-format graph (graph_encode; the worker decodes it with the
+format's checks), its input layouts, kind and key; the worker recomputes the key from what it
+decoded and refuses a job whose key differs. It answers one JSON line per job on stdout;
+whatever else it prints (a library's warning) is not shown unless it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgpack
+import torch
+import torch.fx as fx
+
+from titan.runtime.common import parent_death
+from titan.runtime.contract.graph_decode import load_graph
+from titan.runtime.contract.graph_encode import encode_graph
+from titan.runtime.kernels.fusion import (FusionStats, KernelSources, compile_region, compiled_here, device_tag,
+                                          kernel_context, kernel_key, load_kernel, region_kernels)
+
+MAX_WORKERS = 8
+WORKERS_ENV = "TITAN_COMPILE_WORKERS"
+WORKER_TIMEOUT_S = 600
+"""A worker still compiling after this is stopped (the rank compiles the rest)."""
+MAX_JOBS_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ParallelResult:
+    stored: frozenset[str]
+    """Keys a worker compiled into the kernel store."""
+    workers: int
+    failures: tuple[str, ...] = ()
+    """One line per worker that failed (the rank compiled its share)."""
+
+
+def worker_count(jobs: int) -> int:
+    """Processes for `jobs` regions: TITAN_COMPILE_WORKERS, else the CPUs this process may run
+    on over the host's local ranks, at most MAX_WORKERS; never more than the jobs."""
+    asked = os.environ.get(WORKERS_ENV, "").strip()
+    if asked:
+        if not asked.isdigit():
+            raise ValueError(f"{WORKERS_ENV}={asked!r} is not a number of processes; set it to 0 (none) or a count")
+        n = int(asked)
+    else:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        n = min(MAX_WORKERS, len(os.sched_getaffinity(0)) // max(1, int(local) if local.isdigit() else 1))
+    return min(n, jobs)
+
+
+def missing_regions(graphs: tuple[fx.GraphModule, ...], device: torch.device, sources: KernelSources) -> list[dict]:
+    """The distinct regions of `graphs` compiled on `device` that neither the artifact nor the
+    kernel store has, as worker jobs."""
+    tag = device_tag(device)
+    jobs: dict[str, dict] = {}
+    for gm in graphs:
+        for key, (kind, sub, layouts) in region_kernels(gm, device=tag).items():
+            if key in jobs or not compiled_here(kind, device):
+                continue
+            if sources.artifact_kernel(key) is not None or sources.store.load(key) is not None:
+                continue
+            jobs[key] = {"key": key, "kind": kind, "layouts": layouts, "graph": encode_graph(sub, group_names={})}
+    return list(jobs.values())
+
+
+def compile_in_parallel(graphs: tuple[fx.GraphModule, ...], device: torch.device,
+                        sources: KernelSources) -> ParallelResult | None:
+    """Compile the regions of `graphs` that are missing into the kernel store in worker
+    processes; None when none are started (see the module docstring for when)."""
+    if device.type != "cuda" or not sources.shareable:
+        return None
+    jobs = missing_regions(graphs, device, sources)
+    n = worker_count(len(jobs))
+    if n < 2:
+        return None
+    # Started from this (the main) thread: a child's death signal follows the thread that forked it.
+    env = parent_death.child_env(os.environ)
+    procs = [subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env) for _ in range(n)]
+    payloads = [msgpack.packb({"device": str(device), "jobs": jobs[i::n]}, use_bin_type=True) for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        outcomes = list(pool.map(_talk, procs, payloads))
+    stored: set[str] = set()
+    failures = []
+    for proc, (out, err) in zip(procs, outcomes):
+        for line in out.splitlines():
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue  # not an answer (a library printing to stdout)
+            if isinstance(answer, dict) and answer.get("stored") is True and isinstance(answer.get("key"), str):
+                stored.add(answer["key"])
+        if proc.returncode != 0:
+            last = next((s for s in reversed(err.splitlines()) if s.strip()), f"exit {proc.returncode}")
+            failures.append(last.strip()[:200])
+    return ParallelResult(stored=frozenset(stored), workers=n, failures=tuple(failures))
+
+
+def _talk(proc: subprocess.Popen, payload: bytes) -> tuple[str, str]:
+    try:
+        out, err = proc.communicate(payload, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err += f"\nstopped after {WORKER_TIMEOUT_S} s"
+    return out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def _serve() -> int:
+    parent_death.from_environment()
+    data = sys.stdin.buffer.read(MAX_JOBS_BYTES + 1)
+    if len(data) > MAX_JOBS_BYTES:
+        print(f"compile worker: jobs over {MAX_JOBS_BYTES} bytes", file=sys.stderr)
+        return 2
+    request = msgpack.unpackb(data, raw=False)
+    device = torch.device(request["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sources, stats = KernelSources(device=device), FusionStats()
+    context = kernel_context(device_tag(device))
+    for job in request["jobs"]:
+        sub = load_graph(job["graph"], device=device, groups={})
+        kind, layouts = job["kind"], job["layouts"]
+        key = kernel_key(sub, layouts, kind, context)
+        if key != job["key"]:
+            print(json.dumps({"key": job["key"], "error": "the decoded region has another key"}), flush=True)
+            continue
+        load_kernel(key, lambda: compile_region(sub, layouts, kind, device), device, sources, stats)
+        print(json.dumps({"key": key, "stored": key in sources.recorded}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve())
