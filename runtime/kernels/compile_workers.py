@@ -95,7 +95,9 @@ def compile_in_parallel(graphs: tuple[fx.GraphModule, ...], device: torch.device
     if n < 2:
         return None
     # Started from this (the main) thread: a child's death signal follows the thread that forked it.
-    env = parent_death.child_env(os.environ)
+    # Each compiles in its own process: inductor's pool of compile processes, per worker, would
+    # put workers x CPUs processes on the host's CPUs.
+    env = parent_death.child_env({**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
     procs = [subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=env) for _ in range(n)]
     payloads = [msgpack.packb({"device": str(device), "jobs": jobs[i::n]}, use_bin_type=True) for i in range(n)]
