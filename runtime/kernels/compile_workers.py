@@ -1,8 +1,8 @@
 """A rank's missing regions compiled by parallel processes before it compiles them one by one.
 
 On a fresh host the default flow compiles every distinct exact region at start: 33 for Llama 3
-1B, about 0.6 s each on an H200 host, 20 s one after another (issue 30's start-up table), most of
-a first run's start. Inductor compiles one graph at a time in a process, so the regions that
+1B, 20 s one after another on an H200 host (inductor's import included), most of a first run's
+start. Inductor compiles one graph at a time in a process, so the regions that
 neither the artifact nor the kernel store has are shared among worker processes
 (`python -m titan.runtime.kernels.compile_workers`), each compiling its share through
 load_kernel (under the key's lock, into the kernel store) while the rank waits; the rank's own
@@ -39,7 +39,11 @@ from titan.runtime.contract.graph_encode import encode_graph
 from titan.runtime.kernels.fusion import (FusionStats, KernelSources, compile_region, compiled_here, device_tag,
                                           kernel_context, kernel_key, load_kernel, region_kernels)
 
-MAX_WORKERS = 8
+MAX_WORKERS = 4
+"""Measured on an H200 host with 16 CPUs (benchmarks/gpu/gpu_compile_workers.sh, Llama 3 1B, 33
+regions, two rounds): one after another 19.8 s, 4 workers 15.9 s, 8 workers 17.4 s. A worker
+first imports torch and inductor, about 13 s of a fresh process there: more workers pay it more
+often for fewer regions each."""
 WORKERS_ENV = "TITAN_COMPILE_WORKERS"
 WORKER_TIMEOUT_S = 600
 """A worker still compiling after this is stopped (the rank compiles the rest)."""

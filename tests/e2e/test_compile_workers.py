@@ -15,7 +15,7 @@ import torch
 
 from titan.runtime.contract.artifact import open_artifact
 from titan.runtime.contract.graph_decode import load_graph
-from titan.runtime.kernels.compile_workers import WORKERS_ENV, compile_in_parallel, missing_regions, worker_count
+from titan.runtime.kernels.compile_workers import MAX_WORKERS, WORKERS_ENV, compile_in_parallel, missing_regions, worker_count
 from titan.runtime.kernels.fusion import KernelSources, device_tag, kernel_context, kernel_key
 from titan.runtime.rank_graphs import load_rank_graphs
 from titan.runtime.store.kernel_store import KernelStore
@@ -61,7 +61,7 @@ def test_the_worker_count_follows_the_cpus_the_ranks_and_the_setting(monkeypatch
     cpus = len(os.sched_getaffinity(0))
     monkeypatch.delenv(WORKERS_ENV, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert worker_count(100) == min(8, cpus) and worker_count(1) == min(1, cpus)
+    assert worker_count(100) == min(MAX_WORKERS, cpus) and worker_count(1) == min(1, cpus)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus))
     assert worker_count(100) == 1  # one CPU per rank: nothing to spare
     monkeypatch.setenv(WORKERS_ENV, "3")
