@@ -420,10 +420,14 @@ def region_kernels(gm: fx.GraphModule, *, device: str) -> dict[str, tuple[str, f
     """Each distinct exact or --fuse region of `gm` as kernel key -> (kind, graph, input
     layouts), keyed as compile_regions keys it for a device whose device_tag is `device`."""
     context = kernel_context(device)
-    out = {}
+    out, seen = {}, set()
     for run in _runs(gm):
         kind = _kind(run[0].meta["titan_region"])
         inputs, outputs = _boundary(run)
+        signature = (kind, _signature(run, inputs, outputs))
+        if signature in seen:  # identical regions (every block's) have one key: built once
+            continue
+        seen.add(signature)
         sub = _extract(run, inputs, outputs)
         layouts = [_input_layout(a) for a in inputs]
         out[kernel_key(sub, layouts, kind, context)] = (kind, sub, layouts)
