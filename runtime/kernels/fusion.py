@@ -21,7 +21,9 @@ and compute capability, never the device index) and the torch and triton version
 CUDA code names the device it was compiled for, so kernels are compiled, stored and loaded on
 cuda:0: titan-run starts each local rank seeing only its own GPU (as torchrun's
 --virtual-local-rank does); a rank on another index compiles its regions for itself and shares
-nothing. Ranks of a host compile a key under its lock: one compiles, the others load.
+nothing. Ranks of a host compile a key under its lock: one compiles, the others load. Where
+several regions are missing on a GPU, worker processes compile them first, in parallel
+(runtime/kernels/compile_workers.py).
 
 FlexAttention's fused kernels (runtime/kernels/flex_kernels.py) are compiled regions too, keyed,
 sourced and stored by the same functions (load_kernel, compile_region): compile_regions loads
@@ -165,7 +167,7 @@ def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule, d
         sources.compiled_by_workers = parallel.stored
         stats.workers = max(stats.workers, parallel.workers)
         stats.worker_failures += parallel.failures
-        stats.seconds += time.perf_counter() - t0
+    stats.seconds += time.perf_counter() - t0
     for gm in (forward, backward):
         compile_regions(gm, device=device, sources=sources, stats=stats, memo=memo)
     return stats
