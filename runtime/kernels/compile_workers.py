@@ -28,6 +28,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgpack
 import torch
@@ -38,6 +39,7 @@ from titan.runtime.contract.graph_decode import load_graph
 from titan.runtime.contract.graph_encode import encode_graph
 from titan.runtime.kernels.fusion import (FusionStats, KernelSources, compile_region, compiled_here, device_tag,
                                           kernel_context, kernel_key, load_kernel, region_kernels)
+from titan.runtime.store.kernel_store import KernelStore
 
 MAX_WORKERS = 4
 """Measured on an H200 host with 16 CPUs (benchmarks/gpu/gpu_compile_workers.sh, Llama 3 1B, 33
@@ -104,7 +106,9 @@ def compile_in_parallel(graphs: tuple[fx.GraphModule, ...], device: torch.device
     env = parent_death.child_env({**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
     procs = [subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=env) for _ in range(n)]
-    payloads = [msgpack.packb({"device": str(device), "jobs": jobs[i::n]}, use_bin_type=True) for i in range(n)]
+    # The workers store into the rank's own store (a build's --kernels uses its cache's).
+    common = {"device": str(device), "store": str(sources.store.root)}
+    payloads = [msgpack.packb({**common, "jobs": jobs[i::n]}, use_bin_type=True) for i in range(n)]
     with ThreadPoolExecutor(n) as pool:
         outcomes = list(pool.map(_talk, procs, payloads))
     stored: set[str] = set()
@@ -143,7 +147,7 @@ def _serve() -> int:
     device = torch.device(request["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    sources, stats = KernelSources(device=device), FusionStats()
+    sources, stats = KernelSources(device=device, store=KernelStore(Path(request["store"]))), FusionStats()
     context = kernel_context(device_tag(device))
     for job in request["jobs"]:
         sub = load_graph(job["graph"], device=device, groups={})

@@ -41,20 +41,20 @@ def test_each_job_decodes_to_the_region_its_key_names(fused_graphs, tmp_path):
     assert compile_in_parallel(fused_graphs, CPU, sources) is None
 
 
-def test_a_worker_compiles_its_jobs_and_refuses_a_job_whose_key_is_not_its_regions(fused_graphs, tmp_path,
-                                                                                    monkeypatch):
-    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "cache"))  # the worker's kernel store too
-    good, other = missing_regions(fused_graphs, CPU, KernelSources(device=CPU))[:2]
+def test_a_worker_compiles_its_jobs_and_refuses_a_job_whose_key_is_not_its_regions(fused_graphs, tmp_path):
+    store = KernelStore(tmp_path / "store")  # the rank's store, which the worker is told to use
+    good, other = missing_regions(fused_graphs, CPU, KernelSources(device=CPU, store=store))[:2]
     forged = dict(other, key=good["key"])  # another region under good's key
-    payload = msgpack.packb({"device": "cpu", "jobs": [good, forged]}, use_bin_type=True)
+    payload = msgpack.packb({"device": "cpu", "store": str(store.root), "jobs": [good, forged]}, use_bin_type=True)
+    env = dict(os.environ, TITAN_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "titan.runtime.kernels.compile_workers"], input=payload,
-                       capture_output=True, timeout=600)
+                       capture_output=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr.decode()
     answers = [json.loads(line) for line in r.stdout.decode().splitlines() if line.startswith("{")]
     # Compiled, but not stored: a CPU region has no plan.
     assert answers == [{"key": good["key"], "stored": False},
                        {"key": good["key"], "error": "the decoded region has another key"}]
-    assert KernelStore().entries() == []
+    assert store.entries() == []
 
 
 def test_the_worker_count_follows_the_cpus_the_ranks_and_the_setting(monkeypatch):
