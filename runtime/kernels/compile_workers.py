@@ -71,7 +71,8 @@ def worker_count(jobs: int) -> int:
         n = int(asked)
     else:
         local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        n = min(MAX_WORKERS, len(os.sched_getaffinity(0)) // max(1, int(local) if local.isdigit() else 1))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n = min(MAX_WORKERS, cpus // max(1, int(local) if local.isdigit() else 1))
     return min(n, jobs)
 
 
