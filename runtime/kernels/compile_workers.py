@@ -85,7 +85,7 @@ def missing_regions(graphs: tuple[fx.GraphModule, ...], device: torch.device, so
         for key, (kind, sub, layouts) in region_kernels(gm, device=tag).items():
             if key in jobs or not compiled_here(kind, device):
                 continue
-            if sources.artifact_kernel(key) is not None or sources.store.load(key) is not None:
+            if sources.from_artifact(key) is not None or sources.from_store(key) is not None:
                 continue
             jobs[key] = {"key": key, "kind": kind, "layouts": layouts, "graph": encode_graph(sub, group_names={})}
     return list(jobs.values())

@@ -141,6 +141,21 @@ class KernelSources:
         self.recorded: dict[str, str] = {}
         self.compiled_by_workers: frozenset[str] = frozenset()
         """Keys this run's compile workers put into the store (runtime/kernels/compile_workers.py)."""
+        # What was read, so that deciding what the workers compile costs no second read of a kernel.
+        self._from_artifact: dict[str, bytes | None] = {}
+        self._in_store: dict[str, tuple[bytes, str]] = {}
+
+    def from_artifact(self, key: str) -> bytes | None:
+        if key not in self._from_artifact:
+            self._from_artifact[key] = self.artifact_kernel(key)
+        return self._from_artifact[key]
+
+    def from_store(self, key: str) -> tuple[bytes, str] | None:
+        """The store's entry (bytes, sha256); a miss is not remembered (another process may store it)."""
+        found = self._in_store.get(key) or self.store.load(key)
+        if found is not None:
+            self._in_store[key] = found
+        return found
 
     @property
     def store(self) -> KernelStore:
@@ -373,7 +388,7 @@ def load_kernel(key: str, compile_here: Callable[[], tuple], device: torch.devic
     """The region's compiled kernels: from the artifact, the store, or compiled by `compile_here`
     (-> (compiled, plan bytes or None); once per host: under the key's lock, the first rank
     compiles and the others then load)."""
-    data = sources.artifact_kernel(key)
+    data = sources.from_artifact(key)
     if data is not None:
         region = _planned(data, device, "the artifact")
         if region is not None:
@@ -387,7 +402,7 @@ def load_kernel(key: str, compile_here: Callable[[], tuple], device: torch.devic
         stats.unstored += 1
         return compile_here()[0]
     store = sources.store
-    found = store.load(key)
+    found = sources.from_store(key)
     region = None if found is None else _planned(found[0], device, "the kernel store")
     if region is None:
         with store.lock(key) as lock:
