@@ -14,7 +14,8 @@ compiler caches of its own, in this order (with --repeat, the whole order again)
   titan-kernels       titan-run A on an empty TITAN_CACHE_DIR (a fresh host: no kernel store,
                       no compiler caches; the kernels come from the artifact)
   titan-fresh         titan-run B on an empty TITAN_CACHE_DIR: the default flow's first run on a
-                      fresh host (its kernels compiled at start)
+                      fresh host (its kernels compiled by workers while its first steps run on
+                      eager's kernels; the note says when they came in or were stored)
   titan-store         titan-run B again on that cache (the second job: kernels from the store)
 
 first step: launch to the end of the first optimizer step (titan-run's metrics `time`, the plain
@@ -109,6 +110,13 @@ def titan_note(log: str) -> str:
                        r"(\d+) from the artifact.*? in ([\d.]+) s", log)
     kernels = (f"; kernels: {fusion[2]} compiled, {fusion[3]} from the store, {fusion[4]} from the artifact "
                f"({fusion[5]} s)") if fusion else ""
+    # Kernels compiled in the background (runtime/kernels/background.py): when they came in.
+    came_in = re.search(r"in use from step (\d+), ([\d.]+) s after the start", log)
+    stored = re.search(r"kernels: (\d+) compiled into the kernel store by .*?, ([\d.]+) s after the start", log)
+    if came_in:
+        kernels += f", in use from step {came_in[1]} at {came_in[2]} s"
+    elif stored:
+        kernels += f"; {stored[1]} compiled in the background, stored at {stored[2]} s (after the last step)"
     return (phases[1] if phases else "") + kernels
 
 

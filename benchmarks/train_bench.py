@@ -297,8 +297,9 @@ def run_mode(mode: str, layout: str, opts, tmp: Path, *, pipeline=None) -> dict:
                    "--metrics", str(metrics), "--out", os.environ["BENCH_PROFILE"], "--label", f"{layout}-{mode}",
                    *run_flags]
         else:
+            # Steady state is measured on the kernels: a first run on this host waits for them.
             run = [sys.executable, "-m", "titan.cli.run", str(art), "--steps", str(opts.steps),
-                   "--metrics", str(metrics), *run_flags]
+                   "--metrics", str(metrics), "--no-compile-in-background", *run_flags]
         if os.environ.get("TITAN_BENCH_DATA"):
             run += ["--data", os.environ["TITAN_BENCH_DATA"]]
         if opts.max_norm > 0:

@@ -25,10 +25,13 @@ from titan.runtime.startup import rank_phases
 class CapturedUpdate:
     """Callable: applies the step's update and returns the global gradient norm (a device
     scalar). The first call runs eagerly (the kernel's compilation and the collectives' lazy
-    set-up must not happen during a capture); the second captures."""
+    set-up must not happen during a capture); the second captures. `eager_while()`: true while
+    the forward + backward is not captured yet either (its kernels still compiling:
+    runtime/kernels/background.py): its gradients are new buffers at every step, which would
+    mean a capture at every step."""
 
-    def __init__(self, clip: GlobalNormClip, optimizer: FusedAdamW):
-        self.clip, self.optimizer = clip, optimizer
+    def __init__(self, clip: GlobalNormClip, optimizer: FusedAdamW, *, eager_while=lambda: False):
+        self.clip, self.optimizer, self.eager_while = clip, optimizer, eager_while
         self.eager_left = 1
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured_at: list[int] = []
@@ -37,8 +40,8 @@ class CapturedUpdate:
     def __call__(self) -> torch.Tensor:
         grads = [p.grad for p in self.optimizer.params]
         self.optimizer.prepare()
-        if self.eager_left > 0:
-            self.eager_left -= 1
+        if self.eager_left > 0 or self.eager_while():
+            self.eager_left = max(0, self.eager_left - 1)
             return clipped_update(self.clip, self.optimizer, grads)
         where = [g.data_ptr() for g in grads]
         if self.graph is None or where != self.captured_at:

@@ -74,6 +74,8 @@ class RunConfig:
     """A pipeline's stages all-gather their (dp-shard) parameters once per step, before the first micro-batch, and hold them until the last backward (bitwise the same; more resident memory under --ac): off, every micro-batch gathers again, as the stage graphs do."""
     pp_reduce_per_step: bool = False
     """Numerics change: a pipeline's stages sum their unsharded gradients over the step's micro-batches and reduce-scatter them once, after the last backward (fewer collectives; each stage holds its unsharded fp32 gradients for the step; the sum's order differs, so not bitwise the reference)."""
+    compile_in_background: bool = True
+    """On a GPU, a first run compiles the exact kernels this host lacks in worker processes while its first steps run on eager's kernels (bitwise the same numbers, slower until the kernels are in); off: compile them all before the first step."""
     fused_adamw: bool = True
     """On GPU, one AdamW kernel per parameter (bitwise the op-by-op update; needs triton)."""
     init_from_hf: str | None = setting(None, check="dir")

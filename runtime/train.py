@@ -17,7 +17,8 @@ from titan.runtime.contract.artifact import Artifact, ArtifactError, open_artifa
 from titan.runtime.kernels.artifact_trust import kernels_trusted
 from titan.runtime.buffer_state import BufferState
 from titan.runtime.data import SyntheticTokens, TokenFile
-from titan.runtime.kernels.fusion import compile_program_regions
+from titan.runtime.kernels.background import KernelWait, start_in_background
+from titan.runtime.kernels.fusion import FusionStats, KernelSources, compile_program_regions
 from titan.runtime.distributed import RankEnv, init_process_group, pick_device, shutdown
 from titan.runtime.init import materialize
 from titan.runtime.contract.layout import group_names
@@ -88,12 +89,16 @@ class GraphProgram:
                  micro_batches: int = 1,
                  load_param: Callable[[ParamSpec], torch.Tensor] | None = None,
                  load_buffer: Callable[[BufferSpec], torch.Tensor | None] = lambda spec: None,
-                 params_from: str = "seeded init", artifact_kernels: bool = False):
+                 params_from: str = "seeded init", artifact_kernels: bool = False,
+                 kernels_in_background: bool = False):
         """`micro_batches`: how many micro-batches make an optimizer step (each one's loss and
-        gradients are divided by it: runtime/recipe.py)."""
+        gradients are divided by it: runtime/recipe.py). `kernels_in_background`: the exact
+        kernels this host lacks compile while the first steps run without them
+        (runtime/kernels/background.py), instead of before the first step."""
         phases = rank_phases()
         with phases(f"rank {rank}: loading and checking its program", short="program"):
-            self._load(artifact, rank, device=device, mesh=mesh, artifact_kernels=artifact_kernels)
+            self._load(artifact, rank, device=device, mesh=mesh, artifact_kernels=artifact_kernels,
+                       background=kernels_in_background)
         with phases(f"rank {rank}: materializing its parameters ({params_from})", short="parameters"):
             record = artifact.rank_record(rank)
             load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
@@ -102,7 +107,8 @@ class GraphProgram:
             self.micro_batches = micro_batches
             self.buffers = BufferState(record, device=device, load=load_buffer)
 
-    def _load(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, artifact_kernels: bool) -> None:
+    def _load(self, artifact: Artifact, rank: int, *, device: torch.device, mesh, artifact_kernels: bool,
+              background: bool) -> None:
         record = artifact.rank_record(rank)
         # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
         self.forward, self.backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh))
@@ -111,8 +117,15 @@ class GraphProgram:
                      device, name=f"{artifact.root} rank {rank}")
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
         # The artifact's own kernels only when they are trusted (`artifact_kernels`: kernels_trusted).
-        self.fusion = compile_program_regions(self.forward, self.backward, device,
-                                              artifact_kernel=artifact.kernel if artifact_kernels else None)
+        sources = KernelSources(device=device, artifact_kernel=artifact.kernel if artifact_kernels else None)
+        # A bounded MoE dispatch's two programs must run the same kernels from the first step.
+        background = background and device.type == "cuda" and not artifact.manifest.redo_programs
+        mine = start_in_background(self.forward, self.backward, device, sources) if background else None
+        self.fusion = None if mine is not None else compile_program_regions(self.forward, self.backward, device,
+                                                                           sources=sources)
+        self.kernel_wait = KernelWait(mine, device) if background else None
+        self.on_kernels: Callable[[FusionStats], None] = lambda stats: None
+        """Called when kernels compiled in the background come into use (run_rank says so)."""
         self.inputs = record.forward_inputs
         self.coords = record.coords
         self._loss_only: fx.GraphModule | None = None  # made on first use: most runs never validate
@@ -182,9 +195,24 @@ class GraphProgram:
         out = self.buffers.metrics() if len(self.buffers) else {}
         return out if self.redo is None else out | self.redo.metrics()
 
+    @property
+    def kernels_pending(self) -> bool:
+        """Whether the job still waits for kernels compiled in the background (its steps then
+        run on eager's kernels and are not captured)."""
+        return self.kernel_wait is not None and self.kernel_wait.pending
+
+    def _take_kernels_when_ready(self) -> None:
+        stats = self.kernel_wait.poll()
+        if stats is not None:
+            self.fusion = stats
+            self._loss_only = None  # cut again from the forward that now calls the kernels
+            self.on_kernels(stats)
+
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one micro-batch; sets (first micro-batch) or adds to .grad of
         each parameter; returns this rank's loss (its share of the step's)."""
+        if self.kernels_pending:
+            self._take_kernels_when_ready()
         loss, grads = self.forward_backward(tokens, labels)
         accumulate_grads(self.params, grads)
         return loss
@@ -280,8 +308,8 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
         program = GraphProgram(artifact, env.rank, device=device, mesh=mesh, seed=cfg.seed,
                                micro_batches=recipe.micro_batches, load_param=run_state.load_param,
                                load_buffer=run_state.load_buffer, params_from=run_state.params_from(),
-                               artifact_kernels=trusted)
-    if compiles and env.rank == 0:
+                               artifact_kernels=trusted, kernels_in_background=cfg.compile_in_background)
+    if compiles and env.rank == 0 and not getattr(program, "kernels_pending", False):
         timings.record("fusion", key, time.perf_counter() - t_load)
     if program.fusion is not None:
         _say(env, cfg, None, program.fusion.line())
@@ -316,6 +344,9 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
 
     records: list[dict] = []
     log_all = None if log is None else (lambda rec: (records.append(rec), log(rec)))
+    if getattr(program, "kernels_pending", False):
+        say_kernels_in_background(program, lambda text: _say(env, cfg, log, text), started=started,
+                                  steps_done=lambda: len(records) + start)
     with step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update, forward_loss):
         results = train_loop(step, optimizer, data, steps=cfg.steps, device=device, mesh=mesh,
                              tokens_per_step=tokens_per_step, log=log_all, start=start, after_step=after_step,
@@ -324,11 +355,35 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
                                                         mesh=mesh),
                              step_metrics=program.step_metrics if len(program.buffers) else None,
                              pipeline_step=pipeline_step(program, step))
+    if getattr(program, "kernel_wait", None) is not None:
+        finished = program.kernel_wait.finish()  # a run that ended before its kernels were in
+        if finished is not None:
+            _say(env, cfg, None, f"kernels: {len(finished.stored)} compiled into the kernel store by "
+                                 f"{finished.workers} processes for the next run, {time.time() - started:.1f} s "
+                                 "after the start (this run ended before they were in)")
     if env.rank == 0 and not cfg.quiet:
         startup.launcher_phase(phases)
         print(run_summary(records, started=started, startup_s=startup_s, device=device, artifact=artifact,
                           params=params), flush=True)
     return results
+
+
+def say_kernels_in_background(program: GraphProgram, say: Callable[[str], None], *, started: float,
+                              steps_done: Callable[[], int]) -> None:
+    """Tell the user that steps run without the kernels the background compiles, and when they
+    come into use (runtime/kernels/background.py)."""
+    mine = program.kernel_wait.mine
+    if mine is None:
+        say("kernels: waiting for other ranks' kernels, which compile while the first steps run on eager's "
+            "kernels (the same numbers, slower)")
+    else:
+        say(f"kernels: compiling the {mine.workers.jobs} this host lacks in {mine.workers.count} process"
+            f"{'es' if mine.workers.count > 1 else ''} while the first steps run on eager's kernels (the same "
+            "numbers, slower until they are in; --no-compile-in-background waits for them instead)")
+
+    def in_use(stats: FusionStats) -> None:
+        say(f"{stats.line()}; in use from step {steps_done() + 1}, {time.time() - started:.1f} s after the start")
+    program.on_kernels = in_use
 
 
 def run_summary(records: list[dict], *, started: float, startup_s: float | None, device: torch.device,
@@ -403,7 +458,7 @@ def step_functions(program: GraphProgram, cfg: RunConfig, device: torch.device, 
     captured = [step, forward_loss]
     if isinstance(optimizer, FusedAdamW):
         from titan.runtime.captured_update import CapturedUpdate
-        update = CapturedUpdate(clip, optimizer)
+        update = CapturedUpdate(clip, optimizer, eager_while=lambda: program.kernels_pending)
         captured.append(update)
     try:
         yield step, update, forward_loss

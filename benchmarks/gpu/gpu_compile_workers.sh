@@ -4,6 +4,7 @@
 # parallel worker processes (runtime/kernels/compile_workers.py), each on an empty cache, in turns.
 #   bash benchmarks/gpu/gpu_compile_workers.sh      (one GPU, about 4 minutes)
 # Overrides: FLAVOR=1B SEQ=2048 WORKERS="0 4 8" ROUNDS=2 STEPS=2
+# (--no-compile-in-background: the run waits for its regions, as this A/B compares.)
 # Prints per run the whole process's seconds and the fusion line; then the medians per setting.
 source "$(dirname "$0")/gpu_common.sh"
 FLAVOR=${FLAVOR:-1B}
@@ -17,7 +18,7 @@ for round in $(seq "${ROUNDS:-2}"); do
   for w in ${WORKERS:-0 4 8}; do
     rm -rf "$OUT/cache-$w"
     start=$(date +%s.%N)
-    TITAN_CACHE_DIR=$OUT/cache-$w TITAN_COMPILE_WORKERS=$w timeout 200 titan-run "$art" --steps "${STEPS:-2}" \
+    TITAN_CACHE_DIR=$OUT/cache-$w TITAN_COMPILE_WORKERS=$w timeout 200 titan-run "$art" --steps "${STEPS:-2}" --no-compile-in-background \
       > "$OUT/run-$w-$round.txt" 2>&1
     rc=$?
     took=$(python3 -c "print(round($(date +%s.%N) - $start, 1))")

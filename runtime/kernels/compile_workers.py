@@ -91,15 +91,49 @@ def missing_regions(graphs: tuple[fx.GraphModule, ...], device: torch.device, so
     return list(jobs.values())
 
 
-def compile_in_parallel(graphs: tuple[fx.GraphModule, ...], device: torch.device,
-                        sources: KernelSources) -> ParallelResult | None:
-    """Compile the regions of `graphs` that are missing into the kernel store in worker
-    processes; None when none are started (see the module docstring for when)."""
+class Workers:
+    """Worker processes compiling their shares of the jobs; threads hand them their jobs and
+    read their answers, so that the rank goes on meanwhile (runtime/kernels/background.py)."""
+
+    def __init__(self, procs: list[subprocess.Popen], payloads: list[bytes], jobs: int):
+        self.count, self.jobs = len(procs), jobs
+        self._procs = procs
+        self._pool = ThreadPoolExecutor(len(procs))
+        self._answers = [self._pool.submit(_talk, proc, data) for proc, data in zip(procs, payloads)]
+
+    def done(self) -> bool:
+        return all(answer.done() for answer in self._answers)
+
+    def result(self) -> ParallelResult:
+        """Wait for every worker; what they stored and how each ended."""
+        outcomes = [answer.result() for answer in self._answers]
+        self._pool.shutdown()
+        stored: set[str] = set()
+        failures = []
+        for proc, (out, err) in zip(self._procs, outcomes):
+            for line in out.splitlines():
+                try:
+                    answer = json.loads(line)
+                except ValueError:
+                    continue  # not an answer (a library printing to stdout)
+                if isinstance(answer, dict) and answer.get("stored") is True and isinstance(answer.get("key"), str):
+                    stored.add(answer["key"])
+            if proc.returncode != 0:
+                last = next((s for s in reversed(err.splitlines()) if s.strip()), f"exit {proc.returncode}")
+                failures.append(last.strip()[:200])
+        return ParallelResult(stored=frozenset(stored), workers=self.count, failures=tuple(failures))
+
+
+def start_workers(graphs: tuple[fx.GraphModule, ...], device: torch.device, sources: KernelSources, *,
+                  at_least: int = 2) -> Workers | None:
+    """Start compiling the regions of `graphs` that are missing into the kernel store, in worker
+    processes; None when none are started: off the GPU, or fewer than `at_least` of them would
+    start (see the module docstring)."""
     if device.type != "cuda" or not sources.shareable:
         return None
     jobs = missing_regions(graphs, device, sources)
     n = worker_count(len(jobs))
-    if n < 2:
+    if n < max(1, at_least):
         return None
     # Started from this (the main) thread: a child's death signal follows the thread that forked it.
     # Each compiles in its own process: inductor's pool of compile processes, per worker, would
@@ -110,22 +144,15 @@ def compile_in_parallel(graphs: tuple[fx.GraphModule, ...], device: torch.device
     # The workers store into the rank's own store (a build's --kernels uses its cache's).
     common = {"device": str(device), "store": str(sources.store.root)}
     payloads = [msgpack.packb({**common, "jobs": jobs[i::n]}, use_bin_type=True) for i in range(n)]
-    with ThreadPoolExecutor(n) as pool:
-        outcomes = list(pool.map(_talk, procs, payloads))
-    stored: set[str] = set()
-    failures = []
-    for proc, (out, err) in zip(procs, outcomes):
-        for line in out.splitlines():
-            try:
-                answer = json.loads(line)
-            except ValueError:
-                continue  # not an answer (a library printing to stdout)
-            if isinstance(answer, dict) and answer.get("stored") is True and isinstance(answer.get("key"), str):
-                stored.add(answer["key"])
-        if proc.returncode != 0:
-            last = next((s for s in reversed(err.splitlines()) if s.strip()), f"exit {proc.returncode}")
-            failures.append(last.strip()[:200])
-    return ParallelResult(stored=frozenset(stored), workers=n, failures=tuple(failures))
+    return Workers(procs, payloads, len(jobs))
+
+
+def compile_in_parallel(graphs: tuple[fx.GraphModule, ...], device: torch.device,
+                        sources: KernelSources) -> ParallelResult | None:
+    """Compile the regions of `graphs` that are missing into the kernel store in worker
+    processes, and wait for them; None when none are started."""
+    workers = start_workers(graphs, device, sources)
+    return None if workers is None else workers.result()
 
 
 def _talk(proc: subprocess.Popen, payload: bytes) -> tuple[str, str]:

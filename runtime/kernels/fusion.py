@@ -166,14 +166,16 @@ class KernelSources:
 
 def compile_program_regions(forward: fx.GraphModule, backward: fx.GraphModule, device: torch.device, *,
                             artifact_kernel: Callable[[str], bytes | None] | None = None,
-                            stats: FusionStats | None = None) -> FusionStats | None:
+                            stats: FusionStats | None = None,
+                            sources: KernelSources | None = None) -> FusionStats | None:
     """Compile the regions of both graphs in place (identical regions once); None when there
     are none to compile here (then nothing of inductor is imported). `artifact_kernel` serves
     the artifact's kernels, tried first: pass it only when they are trusted. `stats`: counted
-    into (a pipeline rank's stages, one line); a new one otherwise."""
+    into (a pipeline rank's stages, one line); a new one otherwise. `sources`: what an earlier
+    look at the same graphs read (runtime/kernels/background.py), else made here."""
     if not (has_regions(forward, device) or has_regions(backward, device)):
         return None
-    sources = KernelSources(device=device, artifact_kernel=artifact_kernel)
+    sources = sources or KernelSources(device=device, artifact_kernel=artifact_kernel)
     stats, memo = stats or FusionStats(), {}
     t0 = time.perf_counter()
     from titan.runtime.kernels.compile_workers import compile_in_parallel
