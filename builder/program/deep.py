@@ -54,13 +54,34 @@ def _without_init(meta) -> dict:
     return dict(meta, params=[dict(p, init=None) for p in meta["params"]])
 
 
+def _checking_probes(layout, probes: list[int]) -> set[int]:
+    """The probes that only check the bindings (bind.probe_ranks' far corner): not rank 0 and not
+    at coordinate 1 of one dimension, where the bindings are read."""
+    def is_unit(rank: int) -> bool:
+        coords = layout.coordinates(rank)
+        return sum(coords.values()) == 1
+    return {r for r in probes if r != 0 and not is_unit(r)}
+
+
 def deep_program(tracer, spec, probes: list[int]) -> Program:
     """The program of every rank at the model's full depth; NotStampable or NotOneProgram when
-    the shallow traces do not give it (the caller traces at full depth)."""
+    the shallow traces do not give it (the caller traces at full depth).
+
+    The far corner checks at the first shallow depth only that the bindings read from rank 0
+    and the unit probes add up: every depth's program takes its bindings from those alone, the
+    deeper ones only repeat the middle block the first depth holds (and the fit checks that
+    they do), and the corner's other two traces were an eighth of DeepSeek-V3 671B's build."""
     layout = spec.layout
     depths, check_depth = _depths(spec)
-    tracer.trace(probes, depths=lambda r: depths + ((check_depth,) if r == probes[0] else ()))
-    shallow = [one_program(layout, [tracer.traces[r, d] for r in probes]) for d in depths]
+    checking = _checking_probes(layout, probes)
+
+    def traced_depths(rank: int) -> tuple[int, ...]:
+        if rank in checking:
+            return depths[:1]
+        return depths + ((check_depth,) if rank == probes[0] else ())
+    tracer.trace(probes, depths=traced_depths)
+    shallow = [one_program(layout, [tracer.traces[r, d] for r in probes if d == depths[0] or r not in checking])
+               for d in depths]
     fitted = fit_program(list(depths), [read_doc(p.forward) for p in shallow],
                          [read_doc(p.backward) for p in shallow], [_without_init(p.meta) for p in shallow])
     check = tracer.traces[probes[0], check_depth]

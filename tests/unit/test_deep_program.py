@@ -67,3 +67,26 @@ def test_trace_tasks_keep_a_rank_whole_when_workers_suffice():
     assert trace_tasks(todo, jobs=1) == [(0, (3, 4, 5, 6)), (1, (3, 4, 5)), (3, (3, 4, 5))]
     assert trace_tasks({0: (None,), 1: (None,), 3: (None,)}, jobs=2) == [(0, (None,)), (1, (None,)), (3, (None,))]
     assert trace_tasks({2: (None,)}, jobs=1) == [(2, (None,))]
+
+
+@pytest.mark.parametrize("mesh, checking", [
+    ({"tp": 8, "ep": 64, "dp_shard": 4}, "the far corner"),  # DeepSeek-V3 671B's probes: 0, 1, 8, 512, 2047
+    ({"tp": 4}, "the far corner"),                           # 0, 1 and 3: 3 checks that coordinate 1 scales
+    ({"tp": 2, "dp_shard": 2}, "the far corner"),
+    ({"tp": 2}, None),                                       # the corner is the unit probe: nothing only checks
+])
+def test_only_the_far_corner_is_traced_at_one_depth(mesh, checking):
+    """The probes whose traces only check the bindings (builder/program/deep.py): rank 0 and the
+    unit probes give every binding and are traced at every shallow depth."""
+    from titan.builder.program.bind import probe_ranks
+    from titan.builder.program.deep import _checking_probes
+    from titan.runtime.contract.layout import Layout
+
+    layout = Layout(**mesh)
+    probes = probe_ranks(layout)
+    found = _checking_probes(layout, probes)
+    if checking is None:
+        assert found == set()
+    else:
+        assert found == {layout.world_size - 1}
+        assert 0 in probes and all(sum(layout.coordinates(r).values()) == 1 for r in set(probes) - found - {0})
