@@ -113,14 +113,15 @@ class GraphProgram:
         # The program is shared by ranks: its rank-specific values bind to this rank's coordinates.
         self.forward, self.backward = load_rank_graphs(artifact, rank, device=device, groups=group_names(mesh))
         # Before anything is allocated: a program that cannot fit this device is one line, not an OOM.
-        check_device(estimate_from_graphs(record, self.forward, self.backward, dense_flex=device.type != "cuda"),
-                     device, name=f"{artifact.root} rank {rank}")
+        estimate = estimate_from_graphs(record, self.forward, self.backward, dense_flex=device.type != "cuda")
+        check_device(estimate, device, name=f"{artifact.root} rank {rank}")
         # --fuse artifacts: regions become generated kernels (the only path that imports inductor).
         # The artifact's own kernels only when they are trusted (`artifact_kernels`: kernels_trusted).
         sources = KernelSources(device=device, artifact_kernel=artifact.kernel if artifact_kernels else None)
         # A bounded MoE dispatch's two programs must run the same kernels from the first step.
         background = background and device.type == "cuda" and not artifact.manifest.redo_programs
-        mine = start_in_background(self.forward, self.backward, device, sources) if background else None
+        mine = (start_in_background(self.forward, self.backward, device, sources, rank_needs=estimate.at_least)
+                if background else None)
         self.fusion = None if mine is not None else compile_program_regions(self.forward, self.backward, device,
                                                                            sources=sources)
         self.kernel_wait = KernelWait(mine, device) if background else None

@@ -46,6 +46,8 @@ MAX_WORKERS = 4
 regions, two rounds): one after another 19.8 s, 4 workers 15.9 s, 8 workers 17.4 s. A worker
 first imports torch and inductor, about 13 s of a fresh process there: more workers pay it more
 often for fewer regions each."""
+WORKER_BASE_BYTES = 1 << 30
+"""A worker's GPU memory besides its regions' tensors: its CUDA context and inductor's buffers."""
 WORKERS_ENV = "TITAN_COMPILE_WORKERS"
 WORKER_TIMEOUT_S = 600
 """A worker still compiling after this is stopped (the rank compiles the rest)."""
@@ -74,6 +76,22 @@ def worker_count(jobs: int) -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         n = min(MAX_WORKERS, cpus // max(1, int(local) if local.isdigit() else 1))
     return min(n, jobs)
+
+
+def worker_gpu_bytes(jobs: list[dict]) -> int:
+    """GPU memory a worker may take for `jobs`: its base, and five times the inputs of its largest
+    region (the inputs, outputs and intermediates a compile and its plan's recording allocate).
+    Measured on an H200 (Llama 3 1B seq 2048, 33 regions, the largest with 0.98 GiB of inputs):
+    4 workers added 22.4 GB to the host's use, about 5.2 GiB each; this gives 5.9."""
+    def input_bytes(job: dict) -> int:
+        total = 0
+        for v in job["layouts"]:
+            n = 1
+            for size in v["shape"]:
+                n *= size
+            total += n * torch.empty((), dtype=getattr(torch, v["dtype"])).element_size()
+        return total
+    return WORKER_BASE_BYTES + 5 * max((input_bytes(j) for j in jobs), default=0)
 
 
 def missing_regions(graphs: tuple[fx.GraphModule, ...], device: torch.device, sources: KernelSources) -> list[dict]:
@@ -125,14 +143,19 @@ class Workers:
 
 
 def start_workers(graphs: tuple[fx.GraphModule, ...], device: torch.device, sources: KernelSources, *,
-                  at_least: int = 2) -> Workers | None:
+                  at_least: int = 2, gpu_bytes: int | None = None) -> Workers | None:
     """Start compiling the regions of `graphs` that are missing into the kernel store, in worker
     processes; None when none are started: off the GPU, or fewer than `at_least` of them would
-    start (see the module docstring)."""
+    start (see the module docstring). `gpu_bytes`: the GPU memory the workers may take in all
+    (beside a rank that trains meanwhile): no more start than worker_gpu_bytes fit in it, and
+    each is held to its share (a worker out of memory fails; the rank compiles its regions)."""
     if device.type != "cuda" or not sources.shareable:
         return None
     jobs = missing_regions(graphs, device, sources)
     n = worker_count(len(jobs))
+    each = worker_gpu_bytes(jobs)
+    if gpu_bytes is not None:
+        n = min(n, gpu_bytes // each)
     if n < max(1, at_least):
         return None
     # Started from this (the main) thread: a child's death signal follows the thread that forked it.
@@ -143,6 +166,8 @@ def start_workers(graphs: tuple[fx.GraphModule, ...], device: torch.device, sour
                               stderr=subprocess.PIPE, env=env) for _ in range(n)]
     # The workers store into the rank's own store (a build's --kernels uses its cache's).
     common = {"device": str(device), "store": str(sources.store.root)}
+    if gpu_bytes is not None:
+        common["gpu_bytes"] = each
     payloads = [msgpack.packb({**common, "jobs": jobs[i::n]}, use_bin_type=True) for i in range(n)]
     return Workers(procs, payloads, len(jobs))
 
@@ -175,6 +200,9 @@ def _serve() -> int:
     device = torch.device(request["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if isinstance(request.get("gpu_bytes"), int):  # its share beside a rank that trains
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, request["gpu_bytes"] / total), device)
     sources, stats = KernelSources(device=device, store=KernelStore(Path(request["store"]))), FusionStats()
     context = kernel_context(device_tag(device))
     for job in request["jobs"]:

@@ -71,3 +71,15 @@ def test_the_worker_count_follows_the_cpus_the_ranks_and_the_setting(monkeypatch
     monkeypatch.setenv(WORKERS_ENV, "many")
     with pytest.raises(ValueError, match=f"{WORKERS_ENV}='many' is not a number"):
         worker_count(100)
+
+
+def test_a_workers_gpu_share_follows_its_largest_region():
+    """What a worker may take beside a training rank (runtime/kernels/background.py sizes their
+    number by it): its base and five times the inputs of the largest region it compiles."""
+    from titan.runtime.kernels.compile_workers import WORKER_BASE_BYTES, worker_gpu_bytes
+
+    small = {"layouts": [{"shape": [8, 8], "stride": [8, 1], "dtype": "float32"}]}
+    large = {"layouts": [{"shape": [2048, 1024], "stride": [1024, 1], "dtype": "bfloat16"},
+                         {"shape": [1024], "stride": [1], "dtype": "float32"}]}
+    assert worker_gpu_bytes([]) == WORKER_BASE_BYTES
+    assert worker_gpu_bytes([small, large]) == WORKER_BASE_BYTES + 5 * (2048 * 1024 * 2 + 1024 * 4)

@@ -31,7 +31,7 @@ def test_only_graphs_whose_regions_are_all_exact_train_before_their_kernels_are_
     assert only_exact_regions(default)
     assert not only_exact_regions(fused)  # a --fuse region changes the numbers: its kernels run from step 1
     # Off the GPU no kernel is compiled in the background (exact regions run on eager's kernels there).
-    assert start_in_background(*default, CPU, KernelSources(device=CPU)) is None
+    assert start_in_background(*default, CPU, KernelSources(device=CPU), rank_needs=0) is None
 
 
 def test_the_ranks_take_their_kernels_at_the_same_step_and_train_as_without_the_wait(debug_artifact, tmp_path):
