@@ -11,9 +11,9 @@ parameter is what a run that waited computes; only the first steps are slower.
 Only where that holds: every region the rank compiles is exact (a --fuse region changes the
 numbers, so its kernels run from the first step), the graphs call no FlexAttention (on a GPU
 its compiled kernels are what runs it), and the rank's kernels are shared (cuda:0). And only
-as many workers as fit in the GPU memory the training rank leaves, each held to its share (one
-that runs out fails, and the rank compiles its regions when it takes the kernels in); where
-none fits, the workers compile before the rank allocates anything, as before. The ranks of a
+as many workers as fit in the GPU memory the training rank leaves (a worker that runs out
+fails, and the rank compiles its regions when it takes the kernels in); where none fits, the
+workers compile before the rank allocates anything, as before. The ranks of a
 job switch at the same step: they agree once at load whether any of them waits, and then
 before each step whether all of them have their kernels (a one-element all-reduce; none with a
 single rank), so that no rank captures its step while a peer still runs its collectives one by

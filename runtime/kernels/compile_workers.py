@@ -81,8 +81,9 @@ def worker_count(jobs: int) -> int:
 def worker_gpu_bytes(jobs: list[dict]) -> int:
     """GPU memory a worker may take for `jobs`: its base, and five times the inputs of its largest
     region (the inputs, outputs and intermediates a compile and its plan's recording allocate).
-    Measured on an H200 (Llama 3 1B seq 2048, 33 regions, the largest with 0.98 GiB of inputs):
-    4 workers added 22.4 GB to the host's use, about 5.2 GiB each; this gives 5.9."""
+    Measured on an H200 (Llama 3 1B, 33 regions): at seq 2048 (the largest region's inputs 0.98
+    GiB) 4 workers added 22.4 GB to the host's use, about 5.2 GiB each (this gives 5.9); at seq
+    8192 (3.9 GiB) about 56 GB beside a 43.8 GiB rank, 14-19 GiB each (this gives 20.6)."""
     def input_bytes(job: dict) -> int:
         total = 0
         for v in job["layouts"]:
@@ -147,15 +148,16 @@ def start_workers(graphs: tuple[fx.GraphModule, ...], device: torch.device, sour
     """Start compiling the regions of `graphs` that are missing into the kernel store, in worker
     processes; None when none are started: off the GPU, or fewer than `at_least` of them would
     start (see the module docstring). `gpu_bytes`: the GPU memory the workers may take in all
-    (beside a rank that trains meanwhile): no more start than worker_gpu_bytes fit in it, and
-    each is held to its share (a worker out of memory fails; the rank compiles its regions)."""
+    (beside a rank that trains meanwhile): no more start than worker_gpu_bytes fit in it. (Not
+    enforced in the worker: a cap on its allocator at that share made 2 of 4 workers run out on
+    an H200, 1B seq 2048, with 101 GiB free; a worker that runs out fails, and the rank compiles
+    its regions.)"""
     if device.type != "cuda" or not sources.shareable:
         return None
     jobs = missing_regions(graphs, device, sources)
     n = worker_count(len(jobs))
-    each = worker_gpu_bytes(jobs)
     if gpu_bytes is not None:
-        n = min(n, gpu_bytes // each)
+        n = min(n, gpu_bytes // worker_gpu_bytes(jobs))
     if n < max(1, at_least):
         return None
     # Started from this (the main) thread: a child's death signal follows the thread that forked it.
@@ -166,8 +168,6 @@ def start_workers(graphs: tuple[fx.GraphModule, ...], device: torch.device, sour
                               stderr=subprocess.PIPE, env=env) for _ in range(n)]
     # The workers store into the rank's own store (a build's --kernels uses its cache's).
     common = {"device": str(device), "store": str(sources.store.root)}
-    if gpu_bytes is not None:
-        common["gpu_bytes"] = each
     payloads = [msgpack.packb({**common, "jobs": jobs[i::n]}, use_bin_type=True) for i in range(n)]
     return Workers(procs, payloads, len(jobs))
 
@@ -200,9 +200,6 @@ def _serve() -> int:
     device = torch.device(request["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        if isinstance(request.get("gpu_bytes"), int):  # its share beside a rank that trains
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, request["gpu_bytes"] / total), device)
     sources, stats = KernelSources(device=device, store=KernelStore(Path(request["store"]))), FusionStats()
     context = kernel_context(device_tag(device))
     for job in request["jobs"]:
