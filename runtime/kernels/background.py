@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from titan.runtime.kernels.compile_workers import ParallelResult, Workers, start_workers
-from titan.runtime.kernels.fusion import EXACT, FLEX_OPS, FusionStats, KernelSources, compile_regions
+from titan.runtime.kernels.fusion import EXACT, FLEX_OPS, FusionStats, KernelSources, compile_regions, region_kind
 
 
 def only_exact_regions(graphs: tuple[fx.GraphModule, ...]) -> bool:
@@ -41,7 +41,7 @@ def only_exact_regions(graphs: tuple[fx.GraphModule, ...]) -> bool:
     for gm in graphs:
         for n in gm.graph.nodes:
             tag = n.meta.get("titan_region")
-            if tag is not None and tag.split("#")[0] != EXACT:
+            if tag is not None and region_kind(tag) != EXACT:
                 return False
             if n.op == "call_function" and str(n.target) in FLEX_OPS:
                 return False

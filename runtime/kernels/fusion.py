@@ -105,7 +105,8 @@ def exact_config() -> dict[str, bool]:
 EXACT = "exact"
 
 
-def _kind(tag: str) -> str:
+def region_kind(tag: str) -> str:
+    """The kind of a region tag "<kind>#<n>"."""
     return tag.split("#")[0]
 
 
@@ -120,7 +121,7 @@ FLEX_OPS = frozenset({"titan.flex_attention.default", "titan.flex_attention_back
 
 
 def has_regions(gm: fx.GraphModule, device: torch.device) -> bool:
-    return any(((tag := n.meta.get("titan_region")) and compiled_here(_kind(tag), device))
+    return any(((tag := n.meta.get("titan_region")) and compiled_here(region_kind(tag), device))
                or (device.type == "cuda" and n.op == "call_function" and str(n.target) in FLEX_OPS)
                for n in gm.graph.nodes)
 
@@ -441,7 +442,7 @@ def region_kernels(gm: fx.GraphModule, *, device: str) -> dict[str, tuple[str, f
     context = kernel_context(device)
     out, seen = {}, set()
     for run in _runs(gm):
-        kind = _kind(run[0].meta["titan_region"])
+        kind = region_kind(run[0].meta["titan_region"])
         inputs, outputs = _boundary(run)
         signature = (kind, _signature(run, inputs, outputs))
         if signature in seen:  # identical regions (every block's) have one key: built once
@@ -460,7 +461,7 @@ def compile_regions(gm: fx.GraphModule, *, device: torch.device, sources: Kernel
     t0 = time.perf_counter()
     context = kernel_context(device_tag(device))
     for run in _runs(gm):
-        kind = _kind(run[0].meta["titan_region"])
+        kind = region_kind(run[0].meta["titan_region"])
         if not compiled_here(kind, device):
             continue
         inputs, outputs = _boundary(run)
