@@ -44,8 +44,10 @@ def make_optimizer(params: list[torch.Tensor], recipe: Recipe, device: torch.dev
     torch.optim.AdamW(foreach=False) does."""
     kw = dict(lr=recipe.schedule.lr, schedule=recipe.schedule, **recipe.adamw)
     if fused and device is not None and device.type == "cuda":
-        from titan.runtime.fused_adamw import FusedAdamW, fused_adamw_available
+        from titan.runtime.fused_adamw import FusedAdamW, fused_adamw_available, start_compiling
         if fused_adamw_available(params):
+            # Its kernel compiles while the first step's forward and backward run.
+            start_compiling(device, [p.numel() for p in params], clipped=recipe.max_norm is not None)
             return FusedAdamW(params, **kw)
     return AdamW(params, **kw)
 

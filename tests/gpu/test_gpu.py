@@ -176,6 +176,39 @@ def test_one_kernel_adamw_bitwise_equal_to_torch_single_tensor_adamw():
 
 
 @pytest.mark.gpu(count=1)
+def test_adamw_kernel_compiled_in_background_leaves_the_first_launch_nothing_to_compile(monkeypatch):
+    """titan-run starts the update's compile on a thread as it makes the optimizer: every variant
+    the parameters take (element counts a multiple of 16 or not; clipped or not) is compiled
+    there, and the updates it then makes are torch's."""
+    from titan.runtime import fused_adamw
+
+    monkeypatch.setattr(fused_adamw, "_kernel", None)
+    monkeypatch.setattr(fused_adamw, "_compiling", None)
+    shapes = [(1000, 37), (4096,), (3, 5, 7), (1 << 20,)]
+    device = torch.device("cuda", torch.cuda.current_device())
+    fused_adamw.start_compiling(device, [torch.Size(s).numel() for s in shapes], clipped=True)
+    kernel = fused_adamw._the_kernel()
+    compiled = dict(kernel.device_caches[device.index][0])
+    assert len(compiled) == 4  # two element-count classes, each with and without the scale
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    params = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
+    ref_params = [p.clone() for p in params]
+    hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = fused_adamw.FusedAdamW(params, **hp)
+    ref = torch.optim.AdamW(ref_params, foreach=False, **hp)
+    for _ in range(2):
+        for p, q in zip(params, ref_params):
+            p.grad = torch.randn(p.shape, device="cuda", generator=g)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    ours.launch(torch.ones((), device="cuda"))  # the clipped variant
+    assert fused_adamw._the_kernel() is kernel and dict(kernel.device_caches[device.index][0]) == compiled
+
+
+@pytest.mark.gpu(count=1)
 def test_captured_update_with_the_clip_folded_in_is_bitwise_torch_clip_adamw_and_schedule():
     """The optimizer step as titan-run replays it (runtime/captured_update.py): the norm, the clip
     coefficient multiplied in by the AdamW kernel, the LR read from the device, one CUDA graph;
