@@ -401,6 +401,23 @@ def test_fuse_blocks_spans_module_boundaries_within_a_block():
                            "mean_1: block#2", "rsqrt_1: block#2", "mul_2: block#2"]
 
 
+
+def test_fuse_blocks_places_nodes_without_a_module_in_a_neighbouring_block():
+    # Autograd's gradient sums carry no module: such a node joins the block of an input that has
+    # one, else of a user that has one; with neither it stays out (a one-op region is no kernel).
+    g = HandGraph()
+    x, w = g.input("x", (4, 8)), g.input("w", (8, 8))
+    a = g(aten.mul.Tensor, x, x, module="layers.0.feed_forward")
+    b = g(aten.mul.Tensor, x, 2.0, module="layers.0.feed_forward")
+    summed = g(aten.add.Tensor, a, b)                                # joins layers.0 through its inputs
+    h = g(aten.mm.default, summed, w, module="layers.0.feed_forward.w2")
+    early = g(aten.add.Tensor, h, h)                                 # joins layers.1 through its user
+    late = g(aten.mul.Tensor, early, x, module="layers.1.attention_norm")
+    lone = g(aten.neg.default, g(aten.mm.default, late, w, module="layers.1.attention.wq"))
+    gm = fuse_blocks_pass(g.finish(lone, late), ctx=context())
+    assert regions(gm) == ["mul: block#0", "mul_1: block#0", "add: block#0", "add_1: block#1", "mul_2: block#1"]
+
+
 # -- Activation checkpointing tags --------------------------------------------------------------
 
 
