@@ -9,18 +9,27 @@ import hashlib
 import json
 from pathlib import Path
 
+import titan.builder
+import titan.runtime
 from titan.runtime.common.environment import installed_torch_version, torch_release
 
-PACKAGE_ROOT = Path(__file__).resolve().parent
+SOURCE_ROOTS = {"builder": Path(titan.builder.__file__).parent, "runtime": Path(titan.runtime.__file__).parent}
+"""The packages whose source makes the builder version (their folders wherever installed)."""
+
+
+def versioned_sources() -> list[tuple[str, Path]]:
+    """(name, path) of each source file whose bytes make the builder version: all of builder/
+    and runtime/, each named from its package down (builder/passes/regions.py)."""
+    return [(f"{pkg}/{path.relative_to(root).as_posix()}", path)
+            for pkg, root in sorted(SOURCE_ROOTS.items()) for path in sorted(root.rglob("*.py"))]
 
 
 def builder_version() -> str:
     """Hash of the builder's and runtime's own source: any code change makes a new version."""
     h = hashlib.sha256()
-    for pkg in (PACKAGE_ROOT, PACKAGE_ROOT.parent / "runtime"):
-        for path in sorted(pkg.rglob("*.py")):
-            h.update(str(path.relative_to(pkg.parent)).encode())
-            h.update(path.read_bytes())
+    for name, path in versioned_sources():
+        h.update(name.encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 

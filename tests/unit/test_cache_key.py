@@ -67,3 +67,25 @@ def test_a_moe_capacity_is_a_factor_only_when_set():
     assert describe_differences(dropless, capped) == ['moe capacity None -> {"factor": 1.25, "overflow": "redo dropless"}']
     assert len({digest(dropless), digest(capped), digest(dropping)}) == 3
     assert digest(build_factors(make_spec(**(DEBUG | moe), moe_capacity=1.25).dropless())) == digest(dropless)
+
+
+def test_builder_version_changes_with_any_builder_or_runtime_source(tmp_path, monkeypatch):
+    # A pass, a model or the tracer changed must miss the cache, not only builder/spec/.
+    import shutil
+
+    from titan.builder.spec import cache_key
+
+    for name, path in cache_key.versioned_sources():
+        copy = tmp_path / name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, copy)
+    monkeypatch.setattr(cache_key, "SOURCE_ROOTS", {pkg: tmp_path / pkg for pkg in ("builder", "runtime")})
+    names = {name for name, _ in cache_key.versioned_sources()}
+    assert {"builder/passes/regions.py", "builder/trace/rank_trace.py", "builder/spec/cache_key.py",
+            "runtime/train.py", "runtime/kernels/fusion.py"} <= names
+    versions = {cache_key.builder_version()}
+    for edited in ("builder/passes/regions.py", "builder/models/llama3/model.py", "runtime/contract/graph_decode.py"):
+        with open(tmp_path / edited, "a") as f:
+            f.write("\n# edited\n")
+        versions.add(cache_key.builder_version())
+    assert len(versions) == 4
