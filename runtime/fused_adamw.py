@@ -120,7 +120,7 @@ def start_compiling(device: torch.device, numels: Iterable[int], *, clipped: boo
                                              num_warps=NUM_WARPS, enable_fp_fusion=False, grid=(1,))
                     driver.active.launcher_cls(compiled.src, compiled.metadata)  # its launcher built and cached
             _kernel = kernel
-        except BaseException:  # noqa: BLE001 - the first launch compiles, and reports, instead
+        except Exception:  # noqa: BLE001 - the first launch compiles, and reports, instead
             pass
 
     _compiling = threading.Thread(target=compile_variants, name="titan-adamw-compile", daemon=True)
@@ -171,8 +171,8 @@ class FusedAdamW(AdamW):
                 grad = grad.float().contiguous()
             n = p.numel()
             kernel[((n + BLOCK - 1) // BLOCK,)](p, grad, exp_avg, exp_avg_sq, n, self.scalars, scale,
-                                                 SCALE_GRAD=grad_scale is not None, BLOCK=BLOCK,
-                                                 num_warps=NUM_WARPS, enable_fp_fusion=False)
+                                                SCALE_GRAD=grad_scale is not None, BLOCK=BLOCK,
+                                                num_warps=NUM_WARPS, enable_fp_fusion=False)
 
     @torch.no_grad()
     def step(self) -> None:
