@@ -3,7 +3,8 @@
 runtime/optim.AdamW (and torch.optim.AdamW(foreach=False)) runs eight kernels per parameter:
 mul_, lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_, about 20 passes over fp32 memory per
 step. This kernel reads the parameter, its gradient and both moments once and writes three of
-them back: 7 passes (42.5 -> 14.8 ms per step for one 8B dp-shard=4 rank on an H200).
+them back: 7 passes (42.5 -> 14.8 ms per step for one 8B dp-shard=4 rank on an H200). Where the
+forward takes the parameter's compute-dtype copy (runtime/param_copies.py), it writes that too.
 
 It rounds as ATen's CUDA kernels do, op for op. Measured (benchmarks/adamw_exact.py), not
 assumed:
@@ -43,8 +44,8 @@ def _build_kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, scalars_ptr, scale_ptr, SCALE_GRAD: tl.constexpr,
-                     BLOCK: tl.constexpr):
+    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n, scalars_ptr, scale_ptr, SCALE_GRAD: tl.constexpr,
+                     WRITE_COPY: tl.constexpr, BLOCK: tl.constexpr):
         # The step's scalars come from device memory, not the launch: a captured launch then
         # reads each step's learning rate and bias corrections (see FusedAdamW.prepare).
         decay = tl.load(scalars_ptr + 0)
@@ -70,6 +71,8 @@ def _build_kernel():
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+        if WRITE_COPY:  # the forward's copy: copy_'s rounding (to nearest even)
+            tl.store(c_ptr + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
 
     return adamw_kernel
 
@@ -85,14 +88,20 @@ def _the_kernel():
     return _kernel
 
 
-def _variants(numels: Iterable[int]) -> set[int]:
-    """One element count per compiled variant these sizes need: Triton specializes an integer
-    argument on being a multiple of 16 and on needing 64 bits."""
-    return set({(n % 16 == 0, n >= 2**31): n for n in numels}.values())
+def _variants(params: Iterable[torch.Tensor], copies: Iterable[torch.Tensor | None]) -> set[tuple]:
+    """(element count, copy dtype) of one parameter per compiled variant these need: Triton
+    specializes an integer argument on being a multiple of 16 and on needing 64 bits, and the
+    kernel on the copy's dtype (None: no copy)."""
+    variants = {}
+    for p, copy in zip(params, copies):
+        n, dtype = p.numel(), None if copy is None else copy.dtype
+        variants[(n % 16 == 0, n >= 2**31, dtype)] = (n, dtype)
+    return set(variants.values())
 
 
-def start_compiling(device: torch.device, numels: Iterable[int], *, clipped: bool) -> None:
-    """Compile the kernel's variants for parameters of `numels` elements on a thread: Triton's
+def start_compiling(device: torch.device, params: list[torch.Tensor], copies: list[torch.Tensor | None] | None,
+                    *, clipped: bool) -> None:
+    """Compile the kernel's variants for `params` (and their `copies`) on a thread: Triton's
     import, compile and launcher build (1.4 s on an empty cache, 0.7 s warm, on an H200) then
     overlap the first step's forward and backward instead of adding to it. (Started at the
     rank's start instead, it slowed the program's loading, which is Python, by as much as it
@@ -102,7 +111,7 @@ def start_compiling(device: torch.device, numels: Iterable[int], *, clipped: boo
     first launch does, in the eager warm-up before any capture). Any failure leaves the compile
     to the first launch, as without this."""
     global _compiling
-    variants = _variants(numels)
+    variants = _variants(params, copies or [None] * len(params))
     if _compiling is not None or _kernel is not None or not variants or importlib.util.find_spec("triton") is None:
         return
 
@@ -114,9 +123,10 @@ def start_compiling(device: torch.device, numels: Iterable[int], *, clipped: boo
             torch.cuda.set_device(device)  # Triton compiles for, and caches under, the current device
             kernel = _build_kernel()
             f32 = torch.float32  # Triton's warm-up takes a dtype for a pointer: aligned, as allocations are
-            for n in sorted(variants):
+            for n, copy_dtype in sorted(variants, key=str):
                 for scale in (False, True) if clipped else (False,):
-                    compiled = kernel.warmup(f32, f32, f32, f32, n, f32, f32, SCALE_GRAD=scale, BLOCK=BLOCK,
+                    compiled = kernel.warmup(f32, f32, f32, f32, copy_dtype or f32, n, f32, f32, SCALE_GRAD=scale,
+                                             WRITE_COPY=copy_dtype is not None, BLOCK=BLOCK,
                                              num_warps=NUM_WARPS, enable_fp_fusion=False, grid=(1,))
                     driver.active.launcher_cls(compiled.src, compiled.metadata)  # its launcher built and cached
             _kernel = kernel
@@ -138,8 +148,9 @@ class FusedAdamW(AdamW):
     device without waiting for it) then `launch()` (device only: what a CUDA graph captures)."""
 
     def __init__(self, params: list[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, schedule=None):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, schedule=schedule)
+                 weight_decay: float, schedule=None, copies: list[torch.Tensor | None] | None = None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, schedule=schedule,
+                         copies=copies)
         if not fused_adamw_available(self.params):
             raise ValueError("the one-kernel AdamW takes contiguous float32 CUDA parameters and needs triton; "
                              "run with --no-fused-adamw")
@@ -163,16 +174,17 @@ class FusedAdamW(AdamW):
         would round differently): the caller scales those itself."""
         kernel = _the_kernel()
         scale = grad_scale if grad_scale is not None else self.scalars  # an unread pointer
-        for p, exp_avg, exp_avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq):
+        for p, exp_avg, exp_avg_sq, copy in zip(self.params, self.exp_avg, self.exp_avg_sq, self.copies):
             grad = p.grad
             assert grad is not None, "every parameter gets a gradient from the backward graph"
             assert grad_scale is None or grad.dtype == torch.float32, "a scaled gradient must be float32"
             if grad.dtype != torch.float32 or not grad.is_contiguous():
                 grad = grad.float().contiguous()
             n = p.numel()
-            kernel[((n + BLOCK - 1) // BLOCK,)](p, grad, exp_avg, exp_avg_sq, n, self.scalars, scale,
-                                                SCALE_GRAD=grad_scale is not None, BLOCK=BLOCK,
-                                                num_warps=NUM_WARPS, enable_fp_fusion=False)
+            kernel[((n + BLOCK - 1) // BLOCK,)](p, grad, exp_avg, exp_avg_sq, p if copy is None else copy, n,
+                                                self.scalars, scale, SCALE_GRAD=grad_scale is not None,
+                                                WRITE_COPY=copy is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                                                enable_fp_fusion=False)
 
     @torch.no_grad()
     def step(self) -> None:

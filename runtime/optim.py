@@ -22,8 +22,13 @@ if TYPE_CHECKING:
 
 class AdamW:
     def __init__(self, params: list[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, schedule: LRSchedule | None = None):
+                 weight_decay: float, schedule: LRSchedule | None = None,
+                 copies: list[torch.Tensor | None] | None = None):
+        """`copies`: per parameter, its compute-dtype copy that the forward takes (or None):
+        each step writes it from the updated parameter (runtime/param_copies.py)."""
         self.params = list(params)
+        self.copies = list(copies) if copies is not None else [None] * len(self.params)
+        assert len(self.copies) == len(self.params), "one copy (or None) per parameter"
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.schedule = schedule
         self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
@@ -54,6 +59,9 @@ class AdamW:
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
             p.addcdiv_(exp_avg, denom, value=-step_size)
+        for p, copy in zip(self.params, self.copies):
+            if copy is not None:
+                copy.copy_(p)  # the cast the forward used to make from the updated parameter
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

@@ -24,6 +24,7 @@ from titan.runtime.init import materialize
 from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
+from titan.runtime.param_copies import ParamCopies
 from titan.runtime.grad_clip import GlobalNormClip
 from titan.runtime.recipe import Recipe
 from titan.runtime.run_config import RunConfig
@@ -38,16 +39,18 @@ from titan.runtime.rank_graphs import load_rank_graphs
 
 
 def make_optimizer(params: list[torch.Tensor], recipe: Recipe, device: torch.device | None = None, *,
-                   fused: bool = True) -> AdamW:
+                   fused: bool = True, copies: ParamCopies | None = None) -> AdamW:
     """AdamW over `params` with the recipe's hyperparameters and LR schedule: on a GPU (with
     triton) one kernel per parameter, elsewhere op by op; both round exactly as
-    torch.optim.AdamW(foreach=False) does."""
-    kw = dict(lr=recipe.schedule.lr, schedule=recipe.schedule, **recipe.adamw)
+    torch.optim.AdamW(foreach=False) does. `copies`: the parameters' compute-dtype copies the
+    forward takes (runtime/param_copies.py), which each step writes too."""
+    kw = dict(lr=recipe.schedule.lr, schedule=recipe.schedule, copies=copies.copies if copies else None,
+              **recipe.adamw)
     if fused and device is not None and device.type == "cuda":
         from titan.runtime.fused_adamw import FusedAdamW, fused_adamw_available, start_compiling
         if fused_adamw_available(params):
             # Its kernel compiles while the first step's forward and backward run.
-            start_compiling(device, [p.numel() for p in params], clipped=recipe.max_norm is not None)
+            start_compiling(device, params, kw["copies"], clipped=recipe.max_norm is not None)
             return FusedAdamW(params, **kw)
     return AdamW(params, **kw)
 
@@ -106,6 +109,8 @@ class GraphProgram:
             load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
             self.specs = record.params
             self.params = [load_param(p) for p in record.params]
+            # The compute-dtype copies the forward takes instead of some parameters.
+            self.copies = ParamCopies(record.forward_inputs, self.params)
             self.micro_batches = micro_batches
             self.buffers = BufferState(record, device=device, load=load_buffer)
 
@@ -147,8 +152,8 @@ class GraphProgram:
 
     def forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """The forward's inputs (the same for the bounded and the dropless program of a MoE)."""
-        params = iter(self.params)
-        return [next(params) if inp.kind == "param" else self.buffers.tensors[inp.fqn] if inp.kind == "buffer"
+        params = iter(range(len(self.params)))
+        return [self.copies.forward_value(next(params)) if inp.kind == "param" else self.buffers.tensors[inp.fqn] if inp.kind == "buffer"
                 else tokens if inp.kind == "tokens" else labels for inp in self.inputs]
 
     @torch.no_grad()
@@ -319,9 +324,12 @@ def run_rank(artifact_path: str, cfg: RunConfig, env: RankEnv,
     if getattr(program, "redoes", False) and device.type == "cuda" and cfg.cuda_graphs:
         _say(env, cfg, None, "note: this pipeline redoes overflowing MoE forwards dropless, a decision on the host per "
                              "stage and micro-batch: its steps run op by op, without CUDA graphs")
-    optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
+    optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw,
+                               copies=getattr(program, "copies", None))
     with phases(f"rank {env.rank}: loading the checkpoint {run_state.resume_from}", short="checkpoint load"):
         start = run_state.restore(program.params, optimizer, buffers=program.buffers.tensors)
+        if getattr(program, "copies", None):
+            program.copies.refresh()  # the resumed parameters' copies
     log = _step_logger(cfg, env.rank == 0, cfg.steps, start)
 
     def checkpointed(s: int) -> None:

@@ -33,6 +33,9 @@ class PassContext:
     """Per graph output: the parameter whose gradient it is, else None."""
     plan: list[Bucket] = field(default_factory=list)
     """Bucket records the passes add (the rank's bucket plan)."""
+    input_casts: dict[int, str] = field(default_factory=dict)
+    """Forward input index -> the dtype the forward now takes that parameter in (its copy, kept
+    by titan-run: fold_param_casts)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -45,6 +48,8 @@ class GraphPass:
     """What it does, for --list-passes (prose: line breaks read as spaces; see `line`)."""
     needs: tuple[str, ...] = ()
     """Mesh dimensions the layout must have (size > 1) for the pass to apply."""
+    not_with: tuple[str, ...] = ()
+    """Mesh dimensions the layout must not have (size > 1) for the pass to apply."""
 
     @property
     def line(self) -> str:
@@ -70,6 +75,11 @@ PASSES: dict[str, GraphPass] = {
         target="titan.builder.passes.bucketing:bucket_reduce_scatter_pass", preserves_numerics=True,
         summary="""one FSDP gradient reduce-scatter per transformer block on a flat buffer (each
         element summed over the same ranks)""", needs=("dp_shard",)),
+    "fold_param_casts": GraphPass(
+        target="titan.builder.passes.param_casts:fold_param_casts_pass", preserves_numerics=True,
+        summary="""the forward takes each parameter as its compute-dtype copy, which titan-run's
+        optimizer step writes as it writes the parameter (the same rounding: same bits; one pass
+        over the parameters fewer per step)""", not_with=("pp",)),
     "overlap_collectives": GraphPass(
         target="titan.builder.passes.overlap:overlap_collectives_pass", preserves_numerics=True,
         summary="""reorder only: issue collectives early (FSDP all-gathers one block ahead),
@@ -97,6 +107,7 @@ def default_passes(mesh_sizes: dict[str, int], *, exact_fusion: bool = True) -> 
     fsdp = mesh_sizes.get("dp_shard", 1) > 1
     return ("mask_index_put_to_where",
             *(("bucket_all_gather", "bucket_reduce_scatter") if fsdp else ()),
+            *(("fold_param_casts",) if mesh_sizes.get("pp", 1) < 2 else ()),
             "overlap_collectives", *(("fuse_exact",) if exact_fusion else ()))
 
 
@@ -111,6 +122,10 @@ def check_passes(names: tuple[str, ...], mesh_sizes: dict[str, int]) -> None:
         for dim in PASSES[name].needs:
             if mesh_sizes.get(dim, 1) < 2:
                 raise ValueError(f"pass {name} needs --{dim.replace('_', '-')} > 1 in the layout; "
+                                 "drop it from --passes")
+        for dim in PASSES[name].not_with:
+            if mesh_sizes.get(dim, 1) > 1:
+                raise ValueError(f"pass {name} does not apply with --{dim.replace('_', '-')} > 1; "
                                  "drop it from --passes")
     if len(set(names)) != len(names):
         raise ValueError(f"--passes lists a pass twice: {', '.join(names)}")

@@ -170,7 +170,7 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
         fw, bw = map(lazy, PARTITION_FNS[build.partitioner](joint_copy, None, num_fwd_outputs=len(mutated) + 1))
         t_partition = time.perf_counter()
         groups = mesh_dims_by_group(mesh)
-        param_names = [inp.fqn for inp in joint_inputs if inp.kind != "tangent"]
+        param_names = [inp.fqn if inp.kind == "param" else None for inp in joint_inputs if inp.kind != "tangent"]
         fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=param_names,
                              output_names=[])
         bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[],
@@ -183,7 +183,7 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
     fw_blob = encode_graph(fw, group_names=groups)
     bw_blob = encode_graph(bw, group_names=groups)
     meta = _rank_meta(job, family.init_specs(cfg), coords, shards, joint_inputs, fw, bw,
-                      mutated=mutated, buffer_metric=family.buffer_metric)
+                      mutated=mutated, buffer_metric=family.buffer_metric, casts=fw_ctx.input_casts)
     meta = replace(meta, bucket_plan=tuple(fw_ctx.plan + bw_ctx.plan), model_plan=model_plan,
                    stage=None if build.stage is None else stage_io(build, examples, data_kinds, fw, bw, len(mutated),
                                                                       len(meta.params)))
@@ -266,9 +266,13 @@ def saved_activation_bytes(saved: list, placeholders: list[fx.Node], inputs: lis
 
 
 def _rank_meta(job: RankJob, specs: dict[str, dict], coords: dict, shards, joint_inputs: list[GraphInput],
-               fw: fx.GraphModule, bw: fx.GraphModule, *, mutated: list[str], buffer_metric) -> RankRecord:
+               fw: fx.GraphModule, bw: fx.GraphModule, *, mutated: list[str], buffer_metric,
+               casts: dict[int, str]) -> RankRecord:
+    """`casts`: forward input index -> the dtype the forward takes that parameter in
+    (builder/passes/param_casts.py)."""
     by_fqn = {s.fqn: s for s in shards}
     fw_inputs = [inp for inp in joint_inputs if inp.kind != "tangent"]
+    fw_inputs = [replace(inp, cast=casts[i]) if i in casts else inp for i, inp in enumerate(fw_inputs)]
     placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(fw_inputs), (len(placeholders), len(fw_inputs))
     fw_outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0][len(mutated):]

@@ -117,7 +117,8 @@ def verify_rank(artifact_path: str, cfg: RunConfig, env: RankEnv) -> Verdict:
     if device.type == "cuda" and m.model_config.get("attention") == "flex" and env.rank == 0:
         from titan.runtime.kernels.flex_kernels import origins
         print(f"flex kernels (the eager reference's and the artifact's): {origins()}", flush=True)
-    optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw)
+    optimizer = make_optimizer(program.params, recipe, device, fused=cfg.fused_adamw,
+                               copies=getattr(program, "copies", None))
     with phases(f"rank {env.rank}: training {cfg.steps} step(s) from the artifact", short="artifact"), \
             step_functions(program, cfg, device, recipe, mesh, optimizer) as (step, update, forward_loss):
         graph_run = train_loop(step, optimizer, make_data(m, cfg, program.coords), update=update,

@@ -54,6 +54,8 @@ class MemoryEstimate:
     """The larger of the saved activations and the largest single graph result."""
     attention_workspace: int = 0
     """The dense FlexAttention kernel's scores and mask at its largest call (0: no flex attention)."""
+    param_copies: int = 0
+    """The compute-dtype copies of parameters the forward takes instead (runtime/param_copies.py)."""
 
     @property
     def param_state(self) -> int:
@@ -61,11 +63,15 @@ class MemoryEstimate:
 
     @property
     def at_least(self) -> int:
-        return self.param_elements * PARAM_LIVE_BYTES + self.buffers + self.activations + self.attention_workspace
+        return self._param_live + self.buffers + self.activations + self.attention_workspace
+
+    @property
+    def _param_live(self) -> int:
+        return self.param_elements * PARAM_LIVE_BYTES + self.param_copies
 
     def describe(self) -> str:
         return (f"at least {self.at_least / GIB:.2f} GiB per rank (parameters and AdamW state "
-                f"{self.param_elements * PARAM_LIVE_BYTES / GIB:.2f} GiB, activations {self.activations / GIB:.2f} GiB"
+                f"{self._param_live / GIB:.2f} GiB, activations {self.activations / GIB:.2f} GiB"
                 + (f", flex attention scores and mask {self.attention_workspace / GIB:.2f} GiB"
                    if self.attention_workspace else "") + ")")
 
@@ -95,6 +101,12 @@ def param_elements(record: RankRecord) -> int:
     return sum(math.prod(p.local_shape) for p in record.params)
 
 
+def param_copy_bytes(record: RankRecord) -> int:
+    """Bytes of the parameters' compute-dtype copies (GraphInput.cast)."""
+    casts = (i.cast for i in record.forward_inputs if i.kind == "param")
+    return sum(math.prod(p.local_shape) * _DTYPE_BYTES[cast] for p, cast in zip(record.params, casts) if cast)
+
+
 def _buffer_bytes(record: RankRecord) -> int:
     return sum(math.prod(b.shape) * _DTYPE_BYTES.get(b.dtype, 8) for b in record.buffers)
 
@@ -103,7 +115,7 @@ def estimate_from_record(record: RankRecord) -> MemoryEstimate:
     """From the program's metadata alone (its saved-activation bytes as titan-build measured
     them): what titan-run's launcher checks before any rank starts."""
     return MemoryEstimate(param_elements=param_elements(record), buffers=_buffer_bytes(record),
-                          activations=record.saved_bytes)
+                          activations=record.saved_bytes, param_copies=param_copy_bytes(record))
 
 
 def val_bytes(val) -> int:
@@ -122,12 +134,13 @@ def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: 
     `dense_flex`: whether the flex op runs its dense kernel (the CPU's; on a GPU its fused kernels
     hold no score-sized workspace: runtime/kernels/flex_kernels.py)."""
     fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+    # What the forward saves as it took it (parameters, their copies, buffers) is state, counted once.
     saved = sum(val_bytes(n.meta.get("titan_val")) for n in fw_out[len(record.mutated_buffers) + 1:]
-                if n is not None)
+                if n is not None and n.op != "placeholder")
     largest = max((val_bytes(n.meta.get("titan_val")) for g in (forward, backward) for n in g.graph.nodes
                    if n.op == "call_function"), default=0)
     return MemoryEstimate(param_elements=param_elements(record), buffers=_buffer_bytes(record),
-                          activations=max(saved, largest),
+                          activations=max(saved, largest), param_copies=param_copy_bytes(record),
                           attention_workspace=flex_attention_workspace((forward, backward)) if dense_flex else 0)
 
 

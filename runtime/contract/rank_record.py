@@ -29,15 +29,31 @@ BUFFER_METRICS = ("tokens_per_expert", "dropped_tokens")
 """What a buffer may feed in titan-run's per-step metrics (runtime/buffer_state.py)."""
 
 
+CAST_DTYPES = ("bfloat16", "float16")
+"""The dtypes a parameter input may be taken in as its copy (builder/passes/param_casts.py)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class GraphInput:
     """One input of the forward graph, in order: a parameter or a buffer (by name), the tokens or
     the labels."""
     kind: str
     fqn: str | None = None
+    cast: str | None = None
+    """A parameter the forward takes as its copy in this dtype (one of CAST_DTYPES), which the
+    runtime keeps and the optimizer step writes (runtime/param_copies.py); None: as it is."""
 
     def to_json(self) -> dict:
-        return {"kind": self.kind} if self.fqn is None else {"kind": self.kind, "fqn": self.fqn}
+        d = {"kind": self.kind} if self.fqn is None else {"kind": self.kind, "fqn": self.fqn}
+        return d if self.cast is None else dict(d, cast=self.cast)
+
+    @staticmethod
+    def from_json(d: dict, where: str) -> GraphInput:
+        cast = d.get("cast")
+        if cast is not None and (d["kind"] != "param" or cast not in CAST_DTYPES):
+            fail(where, f"forward input {str(d.get('fqn'))[:80]!r}: only a parameter is taken as a copy, in "
+                        f"{' or '.join(CAST_DTYPES)}")
+        return GraphInput(kind=d["kind"], fqn=d.get("fqn"), cast=cast)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -336,6 +352,10 @@ class RankRecord:
         fqns = [i.get("fqn") for i in inputs if i["kind"] == "param"]
         if fqns != [p.fqn for p in params]:
             fail(where, "parameter inputs and 'params' name different parameters")
+        forward_inputs = tuple(GraphInput.from_json(i, where) for i in inputs)
+        if any(i.cast is not None and p.dtype != "float32"
+               for i, p in zip((i for i in forward_inputs if i.kind == "param"), params)):
+            fail(where, "only a float32 parameter is taken as a lower-precision copy")
         saved = check_int(meta.get("saved_activations"), f"{where} saved_activations", 0, 1 << 20)
         outs = meta.get("backward_outputs")
         if outs != [i.get("fqn") if i["kind"] == "param" else None for i in inputs]:
@@ -362,8 +382,7 @@ class RankRecord:
         if model_plan is not None and not isinstance(model_plan, dict):
             fail(where, "'model_plan' must be a map")
         rank = meta.get("rank")
-        return RankRecord(params=params, forward_inputs=tuple(GraphInput(kind=i["kind"], fqn=i.get("fqn"))
-                                                               for i in inputs),
+        return RankRecord(params=params, forward_inputs=forward_inputs,
                           static_input_indices=tuple(static), saved_activations=saved,
                           saved_bytes=check_int(meta.get("saved_bytes"), f"{where} saved_bytes", 0, 1 << 62),
                           backward_outputs=tuple(outs), bucket_plan=tuple(Bucket.from_json(b, where) for b in plan),
@@ -429,12 +448,17 @@ def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.Graph
     fw_in = _placeholders(forward)
     if len(fw_in) != len(inputs):
         fail(where, f"forward graph takes {len(fw_in)} inputs, metadata lists {len(inputs)}")
-    shapes = iter(list(p.local_shape) for p in record.params)
+    param_specs = iter(record.params)
     buffer_shapes = iter(list(b.shape) for b in record.buffers)
     for node, inp in zip(fw_in, inputs):
         val = node.meta.get("titan_val")
-        if inp.kind == "param" and (not isinstance(val, dict) or val.get("shape") != next(shapes)):
-            fail(where, f"forward input {node.name} does not have the shape of parameter {inp.fqn}")
+        if inp.kind == "param":
+            spec = next(param_specs)
+            if not isinstance(val, dict) or val.get("shape") != list(spec.local_shape):
+                fail(where, f"forward input {node.name} does not have the shape of parameter {inp.fqn}")
+            if val.get("dtype") != (inp.cast or spec.dtype):
+                fail(where, f"forward input {node.name} takes parameter {inp.fqn} in {val.get('dtype')}, not "
+                            f"in {inp.cast or spec.dtype} as the metadata says")
         if inp.kind == "buffer" and (not isinstance(val, dict) or val.get("shape") != next(buffer_shapes)):
             fail(where, f"forward input {node.name} does not have the shape of buffer {inp.fqn}")
         if inp.kind in ("tokens", "labels") and (not isinstance(val, dict) or val.get("shape") != list(batch_shape)

@@ -158,10 +158,21 @@ def test_one_kernel_adamw_bitwise_equal_to_torch_single_tensor_adamw():
 
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(1000, 37), (4096,), (3, 5, 7), (1 << 20,), (1,)]
-    params = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
+    # Magnitudes from 2^-140 (below float32's normal range) to 2^10: the copies' rounding too.
+    params = [torch.randn(s, device="cuda", generator=g)
+              * torch.exp2(torch.randint(-140, 10, s, device="cuda", generator=g).float()) for s in shapes]
     ref_params = [p.clone() for p in params]
+    # The compute-dtype copies the forward takes (runtime/param_copies.py): some, in both dtypes.
+    copies = [torch.empty_like(p, dtype=dtype) if dtype else None
+              for p, dtype in zip(params, (torch.bfloat16, None, torch.float16, torch.bfloat16, None))]
+    for p in params:
+        p.grad = torch.randn(p.shape, device="cuda", generator=g)
+    # A step that leaves the parameters as they are writes their copies at every magnitude.
+    FusedAdamW(params, copies=copies, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0).step()
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    assert all(c is None or torch.equal(c, p.to(c.dtype)) for p, c in zip(params, copies))
     hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ours = FusedAdamW(params, **hp)
+    ours = FusedAdamW(params, copies=copies, **hp)
     ref = torch.optim.AdamW(ref_params, foreach=False, **hp)
     for _ in range(6):
         for p, q in zip(params, ref_params):
@@ -173,6 +184,8 @@ def test_one_kernel_adamw_bitwise_equal_to_torch_single_tensor_adamw():
         for p, q, m, v in zip(params, ref_params, ours.exp_avg, ours.exp_avg_sq):
             assert torch.equal(p, q)
             assert torch.equal(m, ref.state[q]["exp_avg"]) and torch.equal(v, ref.state[q]["exp_avg_sq"])
+        for q, copy in zip(ref_params, copies):
+            assert copy is None or torch.equal(copy, q.to(copy.dtype))  # the cast the forward made
 
 
 @pytest.mark.gpu(count=1)
@@ -186,16 +199,18 @@ def test_adamw_kernel_compiled_in_background_leaves_the_first_launch_nothing_to_
     monkeypatch.setattr(fused_adamw, "_compiling", None)
     shapes = [(1000, 37), (4096,), (3, 5, 7), (1 << 20,)]
     device = torch.device("cuda", torch.cuda.current_device())
-    fused_adamw.start_compiling(device, [torch.Size(s).numel() for s in shapes], clipped=True)
-    kernel = fused_adamw._the_kernel()
-    compiled = dict(kernel.device_caches[device.index][0])
-    assert len(compiled) == 4  # two element-count classes, each with and without the scale
-
     g = torch.Generator(device="cuda").manual_seed(1)
     params = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
+    copies = [None, torch.empty_like(params[1], dtype=torch.bfloat16), None, None]
+    fused_adamw.start_compiling(device, params, copies, clipped=True)
+    kernel = fused_adamw._the_kernel()
+    compiled = dict(kernel.device_caches[device.index][0])
+    # Three classes (a multiple of 16 or not; with a bf16 copy), each with and without the scale.
+    assert len(compiled) == 6
+
     ref_params = [p.clone() for p in params]
     hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ours = fused_adamw.FusedAdamW(params, **hp)
+    ours = fused_adamw.FusedAdamW(params, copies=copies, **hp)
     ref = torch.optim.AdamW(ref_params, foreach=False, **hp)
     for _ in range(2):
         for p, q in zip(params, ref_params):

@@ -33,6 +33,8 @@ DEBUG = dict(model="llama3", flavor="debug", tp=1, dp_shard=1, dp_replicate=1, b
      "--passes: fuse_exact must come last (it groups the graph's final order into kernels)"),
     (dict(tp=2, passes=("bucket_all_gather",)), "pass bucket_all_gather needs --dp-shard > 1 in the layout; drop it "
                                                 "from --passes"),
+    (dict(pp=2, passes=("fold_param_casts",)), "pass fold_param_casts does not apply with --pp > 1; drop it from "
+                                               "--passes"),
     (dict(model="deepseek_v3", tp=2, ep=2, etp=4), "--etp 4: expert tensor parallel splits each routed expert over "
      "the --tp ranks, so it is 1 or the --tp degree (2); use --etp 1 or --etp 2"),
     (dict(model="deepseek_v3", ep=2, etp=2), "--etp 2: expert tensor parallel splits each routed expert over the --tp "
@@ -61,6 +63,12 @@ def test_what_cannot_be_built_is_one_error_with_the_fix(change, message):
     with pytest.raises(ValueError) as e:
         make_spec(**(DEBUG | change))
     assert str(e.value) == message
+
+
+def test_the_parameters_casts_leave_the_forward_by_default_except_in_pipeline_stages():
+    # A pipeline stage's runtime takes its parameters as they are (runtime/pipeline_stage.py).
+    assert "fold_param_casts" in make_spec(**(DEBUG | dict(tp=2))).graph_passes
+    assert "fold_param_casts" not in make_spec(**(DEBUG | dict(pp=2))).graph_passes
 
 
 def test_layouts_that_pad_or_nest_are_accepted():

@@ -21,7 +21,8 @@ def test_the_key_names_every_factor_that_changes_a_build():
     assert sorted(factors) == ["activation checkpointing", "batch size", "builder version", "dtype", "flavor", "mesh",
                                "model", "model config", "passes", "seq len", "target device", "torch version"]
     assert (factors["mesh"], factors["batch size"], factors["seq len"], factors["dtype"]) == ([], 2, 128, "float32")
-    assert factors["passes"] == ["partition:min_cut", "mask_index_put_to_where", "overlap_collectives", "fuse_exact"]
+    assert factors["passes"] == ["partition:min_cut", "mask_index_put_to_where", "fold_param_casts",
+                                 "overlap_collectives", "fuse_exact"]
     key = digest(factors)
     assert len(key) == 32 and int(key, 16) >= 0
     assert digest(dict(reversed(factors.items()))) == key == digest(_factors()), "the key depends on values only"
@@ -34,7 +35,7 @@ def test_the_key_names_every_factor_that_changes_a_build():
     (dict(dtype="bf16"), ["dtype float32 -> bfloat16"]),
     (dict(ac="full"), ["activation checkpointing none -> full"]),
     (dict(partitioner="default"), ["passes +partition:default -partition:min_cut"]),
-    (dict(passes=("mask_index_put_to_where",)), ["passes -overlap_collectives -fuse_exact"]),
+    (dict(passes=("mask_index_put_to_where",)), ["passes -fold_param_casts -overlap_collectives -fuse_exact"]),
     (dict(fuse="blocks"), ["passes +fuse_blocks -fuse_exact"]),
     (dict(flavor="1B", seq_len=128, batch_size=2, dtype="fp32"),
      ["flavor debug -> 1B", "model config dim 256 -> 2048", "model config ffn_dim_multiplier None -> 1.5",

@@ -105,7 +105,8 @@ def _record(**changes) -> RankRecord:
     balancing-bias buffer the forward updates, and one bucket."""
     params = (param_spec("w", [8, 6], [[0, 2, 1], [0, 2, 1]]), param_spec("norm", [5], [[0, 2, 1]]))
     fields = dict(params=params,
-                  forward_inputs=(GraphInput(kind="param", fqn="w"), GraphInput(kind="param", fqn="norm"),
+                  forward_inputs=(GraphInput(kind="param", fqn="w", cast="bfloat16"),
+                                  GraphInput(kind="param", fqn="norm"),
                                   GraphInput(kind="buffer", fqn="bias"), GraphInput(kind="tokens"),
                                   GraphInput(kind="labels")),
                   static_input_indices=(0, 1, 2), saved_activations=3, saved_bytes=4096,
@@ -146,6 +147,13 @@ def test_a_rank_record_reads_back_what_was_written():
     ("mutated_buffers", ["bias", "bias"], "rank 3: 'mutated_buffers' must name distinct buffers of 'buffers'"),
     ("coords", {"tp": "1"}, "rank 3: coordinates {'tp': '1'} are not a mesh place"),
     ("bucket_plan/0/elements", -1, "rank 3 bucket plan: expected an integer in [0, 17179869184], got -1"),
+    # A copy in place of a parameter (runtime/param_copies.py): of a float32 parameter only, in a
+    # compute dtype only.
+    ("forward_inputs/2/cast", "bfloat16",
+     "rank 3: forward input 'bias': only a parameter is taken as a copy, in bfloat16 or float16"),
+    ("forward_inputs/1/cast", "int8", "rank 3: forward input 'norm': only a parameter is taken as a copy, in "
+                                      "bfloat16 or float16"),
+    ("params/0/dtype", "bfloat16", "rank 3: only a float32 parameter is taken as a lower-precision copy"),
 ])
 def test_a_rank_record_titan_build_would_not_write_is_refused_in_one_line(path, value, message):
     doc = _edit(_through_json(_record().to_json()), path, value)

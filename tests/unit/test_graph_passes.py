@@ -456,3 +456,56 @@ def test_selective_ac_saves_matmuls_and_recomputes_the_rest():
 def test_no_ac_tags_nothing():
     gm = _joint()
     assert tag_activation_checkpointing(gm, "none", ac_block=LLAMA3.ac_block) == 0 and _tags(gm) == {}
+
+
+# -- the parameters' casts ----------------------------------------------------------------------
+
+
+def test_fold_param_casts_takes_each_parameter_as_its_one_cast_and_leaves_the_rest():
+    """w (cast twice to bf16, a tied weight) and n (cast once) are taken as their bf16 copies;
+    left: v (also read as fp32), s (its cast feeds an FSDP all-gather), the buffer b (not a
+    parameter) and f (cast to fp16 and to bf16)."""
+    from titan.builder.passes.param_casts import fold_param_casts_pass
+
+    g = HandGraph()
+    w, n, v, s, b, f, x = (g.input("w", (8, 8)), g.input("n", (8,)), g.input("v", (8, 8)), g.input("s", (4, 8)),
+                           g.input("b", (8,)), g.input("f", (8, 8)), g.input("x", (3, 8), torch.bfloat16))
+    bf16 = dict(dtype=torch.bfloat16)
+    y = g(aten.mm.default, x, g(aten._to_copy.default, w, **bf16))
+    y = g(aten.mul.Tensor, y, g(aten._to_copy.default, n, **bf16))
+    y = g(aten.mm.default, y, g(aten._to_copy.default, w, **bf16))
+    y = g(aten.add.Tensor, g(aten.mm.default, y, g(aten._to_copy.default, v, **bf16)), g(aten.sum.default, v))
+    gathered = g.collective(c10d.all_gather_into_tensor.default, g(aten._to_copy.default, s, **bf16), 2, "dp",
+                            module="layers.0.attention.wq")
+    y = g(aten.mm.default, y, gathered)
+    y = g(aten.mul.Tensor, y, g(aten._to_copy.default, b, **bf16))
+    y = g(aten.add.Tensor, g(aten.mm.default, y, g(aten._to_copy.default, f, **bf16)),
+          g(aten.sum.default, g(aten._to_copy.default, f, dtype=torch.float16)))
+    ctx = context(input_names=["w", "n", "v", "s", None, "f", None])
+    gm = fold_param_casts_pass(g.finish(y), ctx=ctx)
+    assert ctx.input_casts == {0: "bfloat16", 1: "bfloat16"}
+    assert [p.meta["val"].dtype for p in gm.graph.nodes if p.op == "placeholder"] == [
+        torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.float32, torch.bfloat16]
+    assert listing(gm) == expected("""
+        mm = mm(x, w)
+        mul = mul.Tensor(mm, n)
+        mm_1 = mm(mul, w)
+        _to_copy = _to_copy(v, dtype=torch.bfloat16)
+        mm_2 = mm(mm_1, _to_copy)
+        sum = sum(v)
+        add = add.Tensor(mm_2, sum)
+        _to_copy_1 = _to_copy(s, dtype=torch.bfloat16)
+        all_gather_into_tensor = all_gather_into_tensor(_to_copy_1, 2, 'dp')
+        wait_tensor = wait_tensor(all_gather_into_tensor)
+        mm_3 = mm(add, wait_tensor)
+        _to_copy_2 = _to_copy(b, dtype=torch.bfloat16)
+        mul_1 = mul.Tensor(mm_3, _to_copy_2)
+        _to_copy_3 = _to_copy(f, dtype=torch.bfloat16)
+        mm_4 = mm(mul_1, _to_copy_3)
+        _to_copy_4 = _to_copy(f, dtype=torch.float16)
+        sum_1 = sum(_to_copy_4)
+        add_1 = add.Tensor(mm_4, sum_1)
+    """)
+    before = listing(gm)
+    backward = fold_param_casts_pass(gm, ctx=context("backward", output_names=["w"]))
+    assert listing(backward) == before  # a backward graph is left as it is

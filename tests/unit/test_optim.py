@@ -31,3 +31,20 @@ def test_adamw_matches_torch_bitwise_over_steps():
     for i, q in enumerate(theirs):
         assert torch.equal(opt_ours.exp_avg[i], opt_theirs.state[q]["exp_avg"])
         assert torch.equal(opt_ours.exp_avg_sq[i], opt_theirs.state[q]["exp_avg_sq"])
+
+
+def test_adamw_writes_each_copy_as_the_forward_cast_it():
+    """The compute-dtype copies the forward takes (runtime/param_copies.py) are after each step
+    what the cast in the forward made of the updated parameter, at every magnitude."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(64, 32), (32,), (7, 3, 5)]
+    params = [torch.randn(s, generator=g) * torch.exp2(torch.randint(-140, 10, s, generator=g).float())
+              for s in shapes]
+    copies = [torch.empty_like(params[0], dtype=torch.bfloat16), None, torch.empty_like(params[2], dtype=torch.float16)]
+    opt = AdamW(params, lr=1e-3, copies=copies, **ADAMW)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        for p, copy in zip(params, copies):
+            assert copy is None or torch.equal(copy, p.to(copy.dtype))

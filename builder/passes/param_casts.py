@@ -1,0 +1,63 @@
+"""The parameters' casts to the compute dtype out of the forward graph: the forward takes each
+such parameter as its compute-dtype copy, which titan-run keeps and the optimizer step writes as
+it writes the parameter (runtime/param_copies.py).
+
+A mixed-precision forward starts by casting every fp32 parameter to bf16: at 1B parameters,
+6 bytes read and written per parameter, about 2 ms of an H200 step, in a pass of its own. The
+optimizer step already reads and writes every parameter; writing the bf16 copy there costs 2
+bytes per parameter. A cast rounds once (to nearest even, in ATen's copy and in the AdamW
+kernel alike), so the copy holds the bits the cast gave.
+
+Left in the graph: a parameter that the forward also reads as it is, casts to several dtypes, or
+whose cast feeds a collective (an FSDP shard cast before its all-gather, which the bucketing
+passes and a pipeline's once-per-step gather read as they are).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from titan.builder.passes.collectives import STARTS
+from titan.builder.passes.regions import exact_op
+from titan.builder.passes.registry import PassContext
+
+aten = torch.ops.aten
+COPY_DTYPES = (torch.bfloat16, torch.float16)
+"""The compute dtypes a parameter's copy may have (runtime/contract/rank_record.py: CAST_DTYPES)."""
+
+
+def _cast_dtype(param: fx.Node) -> torch.dtype | None:
+    """The one dtype every use of `param` casts it to, if that is all its uses do."""
+    users = list(param.users)
+    if param.meta["val"].dtype != torch.float32 or not users:
+        return None
+    dtypes = set()
+    for user in users:
+        if user.target is not aten._to_copy.default or not exact_op(user) or user.args[0] is not param:
+            return None
+        if any(u.op == "call_function" and u.target in STARTS for u in user.users):
+            return None
+        dtypes.add(user.kwargs.get("dtype"))
+    return dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in COPY_DTYPES else None
+
+
+def fold_param_casts_pass(gm: fx.GraphModule, *, ctx: PassContext) -> fx.GraphModule:
+    """Forward graph: each parameter input whose uses are all one cast takes the cast's value
+    instead (ctx.input_casts records it, by input index); the backward is left as it is (its
+    gradients stay those of the fp32 parameters)."""
+    if ctx.graph != "forward":
+        return gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, (node, name) in enumerate(zip(placeholders, ctx.input_names)):
+        if name is None or (dtype := _cast_dtype(node)) is None:
+            continue
+        casts = list(node.users)
+        node.meta["val"] = casts[0].meta["val"]
+        for cast in casts:
+            cast.replace_all_uses_with(node)
+            gm.graph.erase_node(cast)
+        ctx.input_casts[index] = str(dtype).removeprefix("torch.")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
