@@ -134,9 +134,12 @@ def estimate_from_graphs(record: RankRecord, forward: fx.GraphModule, backward: 
     `dense_flex`: whether the flex op runs its dense kernel (the CPU's; on a GPU its fused kernels
     hold no score-sized workspace: runtime/kernels/flex_kernels.py)."""
     fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
-    # What the forward saves as it took it (parameters, their copies, buffers) is state, counted once.
+    # A parameter (or its copy) or buffer the forward saves as it took it is state, counted
+    # once, as titan-build's saved bytes count it.
+    state = {n for n, inp in zip((n for n in forward.graph.nodes if n.op == "placeholder"), record.forward_inputs)
+             if inp.kind in ("param", "buffer")}
     saved = sum(val_bytes(n.meta.get("titan_val")) for n in fw_out[len(record.mutated_buffers) + 1:]
-                if n is not None and n.op != "placeholder")
+                if n is not None and n not in state)
     largest = max((val_bytes(n.meta.get("titan_val")) for g in (forward, backward) for n in g.graph.nodes
                    if n.op == "call_function"), default=0)
     return MemoryEstimate(param_elements=param_elements(record), buffers=_buffer_bytes(record),
