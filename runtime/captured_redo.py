@@ -118,8 +118,7 @@ class CapturedRedoStep:
         """Release the graphs before the process group goes (see CapturedStep.close)."""
         if self.replay:
             self.graphs.settle()  # the last replays end before their tensors go
-            for p in self.program.params:
-                p.grad = None
+            self.program.drop_gradients()
             self.static.clear()
             self.replay.clear()
             self.graphs.close()

@@ -19,6 +19,7 @@ import torch
 
 from titan.runtime.fused_adamw import FusedAdamW
 from titan.runtime.grad_clip import GlobalNormClip
+from titan.runtime.param_copies import gradients
 from titan.runtime.startup import rank_phases
 
 
@@ -38,7 +39,7 @@ class CapturedUpdate:
         self.norm: torch.Tensor | None = None
 
     def __call__(self) -> torch.Tensor:
-        grads = [p.grad for p in self.optimizer.params]
+        grads = gradients(self.optimizer.params, self.optimizer.copies)
         self.optimizer.prepare()
         if self.eager_left > 0 or self.eager_while():
             self.eager_left = max(0, self.eager_left - 1)
@@ -62,10 +63,8 @@ class CapturedUpdate:
 
 def clipped_update(clip: GlobalNormClip, optimizer: FusedAdamW, grads: list[torch.Tensor]) -> torch.Tensor:
     """The global norm of `grads`, the clip and the one-kernel AdamW update (device work only, so
-    a capture can record it); returns the norm before the clip."""
+    a capture can record it); returns the norm before the clip. The kernel multiplies each
+    gradient (upcast first where it is a copy's) by the clip coefficient as it reads it."""
     norm, coef = clip.norm_and_coef(grads)
-    fold = coef is not None and all(g.dtype == torch.float32 and g.is_contiguous() for g in grads)
-    if coef is not None and not fold:
-        torch._foreach_mul_(grads, coef)
-    optimizer.launch(coef if fold else None)
+    optimizer.launch(coef)
     return norm

@@ -46,15 +46,20 @@ def on_side_stream(work, *args, side: torch.cuda.Stream | None = None):
 
 def hand_out_gradients(program, static: dict) -> torch.Tensor:
     """After a micro-batch's replay: its gradients (`static["grads"]`, the graphs' own buffers)
-    to each parameter's .grad, and the loss to return (`static["loss"]`)."""
+    to each parameter's .grad (a gradient of the parameter's compute-dtype copy to the copy's
+    .grad, which the update reads and upcasts: runtime/param_copies.py), and the loss to return
+    (`static["loss"]`)."""
     if program.micro_batches == 1:  # the graph's own buffers, in place every step
-        for p, g in zip(program.params, static["grads"]):
-            p.grad = g
+        for p, copy, g in zip(program.params, program.copies.copies, static["grads"]):
+            if g.dtype == p.dtype:
+                p.grad = g
+            else:
+                p.grad, copy.grad = None, g
     else:  # the next micro-batch's replay rewrites those: sum in buffers of their own, also in place
-        sums = static.setdefault("sums", [torch.empty_like(g) for g in static["grads"]])
+        sums = static.setdefault("sums", [torch.empty_like(p) for p in program.params])
         for p, g, total in zip(program.params, static["grads"], sums):
             if p.grad is None:
-                p.grad = total.copy_(g)
+                p.grad = total.copy_(g)  # a copy's gradient: upcast, exactly
             else:
                 p.grad.add_(g)
     # The loss too is the graph's own buffer: a later micro-batch's replay would rewrite it
@@ -104,8 +109,7 @@ class CapturedStep:
         resources, and destroying the communicator under it hangs at exit."""
         if self.graph is not None:
             torch.cuda.synchronize()
-            for p in self.program.params:
-                p.grad = None
+            self.program.drop_gradients()
             self.static.clear()
             self.graph.reset()
             self.graph = None

@@ -30,6 +30,7 @@ from typing import Iterable
 import torch
 
 from titan.runtime.optim import AdamW
+from titan.runtime.param_copies import gradients
 
 BLOCK = 1024
 NUM_WARPS = 16
@@ -58,7 +59,7 @@ def _build_kernel():
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask)
-        g = tl.load(g_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)  # a copy's bf16 gradient: its exact upcast
         if SCALE_GRAD:
             g = g * tl.load(scale_ptr)                  # torch._foreach_mul_(grads, clip_coef), rounded as stored
         m = tl.load(m_ptr + offs, mask=mask)
@@ -88,20 +89,24 @@ def _the_kernel():
     return _kernel
 
 
-def _variants(params: Iterable[torch.Tensor], copies: Iterable[torch.Tensor | None]) -> set[tuple]:
-    """(element count, copy dtype) of one parameter per compiled variant these need: Triton
-    specializes an integer argument on being a multiple of 16 and on needing 64 bits, and the
-    kernel on the copy's dtype (None: no copy)."""
+def _variants(params: Iterable[torch.Tensor], copies: Iterable[torch.Tensor | None],
+              low_grads: Iterable[bool]) -> set[tuple]:
+    """(element count, copy dtype, gradient dtype) of one parameter per compiled variant these
+    need: Triton specializes an integer argument on being a multiple of 16 and on needing 64
+    bits, and the kernel on the copy's dtype (None: no copy) and the gradient's (the copy's for
+    a captured step's `low_grads`, float32 for the eager steps before it and otherwise)."""
     variants = {}
-    for p, copy in zip(params, copies):
+    for p, copy, low in zip(params, copies, low_grads):
         n, dtype = p.numel(), None if copy is None else copy.dtype
-        variants[(n % 16 == 0, n >= 2**31, dtype)] = (n, dtype)
+        for grad_dtype in (torch.float32, dtype) if low else (torch.float32,):
+            variants[(n % 16 == 0, n >= 2**31, dtype, grad_dtype)] = (n, dtype, grad_dtype)
     return set(variants.values())
 
 
 def start_compiling(device: torch.device, params: list[torch.Tensor], copies: list[torch.Tensor | None] | None,
-                    *, clipped: bool) -> None:
-    """Compile the kernel's variants for `params` (and their `copies`) on a thread: Triton's
+                    low_grads: list[bool] | None = None, *, clipped: bool) -> None:
+    """Compile the kernel's variants for `params` (their `copies`, and the copies' gradients
+    where `low_grads`: runtime/param_copies.py) on a thread: Triton's
     import, compile and launcher build (1.4 s on an empty cache, 0.7 s warm, on an H200) then
     overlap the first step's forward and backward instead of adding to it. (Started at the
     rank's start instead, it slowed the program's loading, which is Python, by as much as it
@@ -111,7 +116,7 @@ def start_compiling(device: torch.device, params: list[torch.Tensor], copies: li
     first launch does, in the eager warm-up before any capture). Any failure leaves the compile
     to the first launch, as without this."""
     global _compiling
-    variants = _variants(params, copies or [None] * len(params))
+    variants = _variants(params, copies or [None] * len(params), low_grads or [False] * len(params))
     if _compiling is not None or _kernel is not None or not variants or importlib.util.find_spec("triton") is None:
         return
 
@@ -123,9 +128,9 @@ def start_compiling(device: torch.device, params: list[torch.Tensor], copies: li
             torch.cuda.set_device(device)  # Triton compiles for, and caches under, the current device
             kernel = _build_kernel()
             f32 = torch.float32  # Triton's warm-up takes a dtype for a pointer: aligned, as allocations are
-            for n, copy_dtype in sorted(variants, key=str):
+            for n, copy_dtype, grad_dtype in sorted(variants, key=str):
                 for scale in (False, True) if clipped else (False,):
-                    compiled = kernel.warmup(f32, f32, f32, f32, copy_dtype or f32, n, f32, f32, SCALE_GRAD=scale,
+                    compiled = kernel.warmup(f32, grad_dtype, f32, f32, copy_dtype or f32, n, f32, f32, SCALE_GRAD=scale,
                                              WRITE_COPY=copy_dtype is not None, BLOCK=BLOCK,
                                              num_warps=NUM_WARPS, enable_fp_fusion=False, grid=(1,))
                     driver.active.launcher_cls(compiled.src, compiled.metadata)  # its launcher built and cached
@@ -169,16 +174,16 @@ class FusedAdamW(AdamW):
     @torch.no_grad()
     def launch(self, grad_scale: torch.Tensor | None = None) -> None:
         """The update with the prepared scalars; `grad_scale` (a float32 device scalar, the clip
-        coefficient) multiplies each gradient as it is read, as torch._foreach_mul_ before the
-        step would: it saves a pass over every gradient. Float32 gradients only (another dtype
-        would round differently): the caller scales those itself."""
+        coefficient) multiplies each gradient as it is read, as torch._foreach_mul_ of the fp32
+        gradients before the step would: it saves a pass over every gradient. A copy's gradient
+        a captured step left (runtime/param_copies.py) is read in its dtype and upcast first."""
         kernel = _the_kernel()
         scale = grad_scale if grad_scale is not None else self.scalars  # an unread pointer
-        for p, exp_avg, exp_avg_sq, copy in zip(self.params, self.exp_avg, self.exp_avg_sq, self.copies):
-            grad = p.grad
+        grads = gradients(self.params, self.copies)
+        for p, grad, exp_avg, exp_avg_sq, copy in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.copies):
             assert grad is not None, "every parameter gets a gradient from the backward graph"
-            assert grad_scale is None or grad.dtype == torch.float32, "a scaled gradient must be float32"
-            if grad.dtype != torch.float32 or not grad.is_contiguous():
+            readable = (torch.float32,) if copy is None else (torch.float32, copy.dtype)
+            if grad.dtype not in readable or not grad.is_contiguous():
                 grad = grad.float().contiguous()
             n = p.numel()
             kernel[((n + BLOCK - 1) // BLOCK,)](p, grad, exp_avg, exp_avg_sq, p if copy is None else copy, n,

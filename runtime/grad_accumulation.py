@@ -9,9 +9,12 @@ import torch
 
 def accumulate_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """Set each parameter's .grad to its gradient (the first micro-batch), in the parameter's
-    layout as autograd stores a first gradient (the parameters are contiguous), or add to it."""
+    layout as autograd stores a first gradient (the parameters are contiguous), or add to it.
+    A gradient of the parameter's compute-dtype copy (runtime/param_copies.py) is upcast: the
+    exact value the graph's own cast gave (and add_ upcasts it as it adds, rounding once in
+    fp32 as the sum of the cast would)."""
     for p, g in zip(params, grads):
         if p.grad is None:
-            p.grad = g if g.is_contiguous() else g.contiguous()
+            p.grad = g.to(p.dtype, memory_format=torch.contiguous_format)
         else:
             p.grad.add_(g)

@@ -20,6 +20,12 @@ redistribution; torch 2.11 on the GPU host is not yet checked), and so does this
    the gradients by that device tensor (or, on a GPU, the one-kernel AdamW multiplies each
    gradient by it as it reads it: the same rounding, one pass fewer). No value goes to the host.
 
+A copy's bf16 gradient (runtime/param_copies.py: a captured step leaves it for the update, its
+fp32 parameter's gradient being its exact upcast) is normed as it is, in fp32
+(`_foreach_norm(..., dtype=float32)`: on a GPU the same kernel, chunks and float32 sums as over
+the upcast tensor; elsewhere it is upcast first). Each tensor's norm does not depend on the
+others in its list, so grouping the gradients by dtype changes no bit.
+
 tests/test_recipe.py holds the equality against clip_grad_norm_ on DTensors for 1-D and 2-D
 meshes with every placement mix, and titan-verify holds it for the models (DeepSeek-V3's
 experts included: they are sharded over `ep`, the rest replicated over it).
@@ -37,6 +43,26 @@ NORM_TYPE = 2.0
 
 def _sharded_dims(placements: dict[str, str]) -> set[str]:
     return {dim for dim, placement in placements.items() if placement.startswith("S")}
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """torch._foreach_norm of fp32 gradients, each a float32 scalar, in order; a copy's gradient
+    (bf16 or fp16) is normed as its upcast would be."""
+    assert {g.dtype for g in grads} <= {torch.float32, torch.bfloat16, torch.float16}, \
+        "float32 gradients (of float32 parameters, as clip_grad_norm_ sees them) or their copies'"
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    for dtype in dict.fromkeys(g.dtype for g in grads):
+        where = [i for i, g in enumerate(grads) if g.dtype == dtype]
+        group = [grads[i] for i in where]
+        if dtype == torch.float32:
+            found = torch._foreach_norm(group, NORM_TYPE)
+        elif group[0].device.type == "cuda":
+            found = torch._foreach_norm(group, NORM_TYPE, dtype=torch.float32)
+        else:  # the CPU's norm kernels sum a bf16 tensor in another order: norm the upcast
+            found = torch._foreach_norm([g.float() for g in group], NORM_TYPE)
+        for i, norm in zip(where, found):
+            norms[i] = norm
+    return norms
 
 
 class GlobalNormClip:
@@ -71,8 +97,7 @@ class GlobalNormClip:
         """The global norm and, when clipping, the coefficient the gradients are to be multiplied
         by (both device scalars); the gradients are left as they are, for a caller that folds
         the multiplication into its next pass over them (runtime/captured_update.py)."""
-        assert len({g.dtype for g in grads}) == 1, "one dtype: clip_grad_norm_ would group (and reorder) by dtype"
-        norms = list(torch._foreach_norm(grads, NORM_TYPE))
+        norms = _norms(grads)
         for i, divisors in enumerate(self.divisors):
             for d in divisors:
                 norms[i] = norms[i] / d

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan.runtime.param_copies import upcast_gradients
+
 if TYPE_CHECKING:
     from titan.runtime.lr_schedule import LRSchedule
 
@@ -51,8 +53,8 @@ class AdamW:
     def step(self) -> None:
         step_size, bias_correction2_sqrt = self.next_step()
         beta1, beta2 = self.betas
-        for p, exp_avg, exp_avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            grad = p.grad
+        grads = upcast_gradients(self.params, self.copies)
+        for p, grad, exp_avg, exp_avg_sq in zip(self.params, grads, self.exp_avg, self.exp_avg_sq):
             assert grad is not None, "every parameter gets a gradient from the backward graph"
             p.mul_(1 - self.lr * self.weight_decay)
             exp_avg.lerp_(grad, 1 - beta1)
@@ -64,5 +66,7 @@ class AdamW:
                 copy.copy_(p)  # the cast the forward used to make from the updated parameter
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
+        for p, copy in zip(self.params, self.copies):
             p.grad = None
+            if copy is not None:
+                copy.grad = None

@@ -24,7 +24,7 @@ from titan.runtime.init import materialize
 from titan.runtime.contract.layout import group_names
 from titan.runtime.contract.manifest import Manifest
 from titan.runtime.optim import AdamW
-from titan.runtime.param_copies import ParamCopies
+from titan.runtime.param_copies import ParamCopies, param_grad_dtypes, upcast_gradients
 from titan.runtime.grad_clip import GlobalNormClip
 from titan.runtime.recipe import Recipe
 from titan.runtime.run_config import RunConfig
@@ -50,7 +50,8 @@ def make_optimizer(params: list[torch.Tensor], recipe: Recipe, device: torch.dev
         from titan.runtime.fused_adamw import FusedAdamW, fused_adamw_available, start_compiling
         if fused_adamw_available(params):
             # Its kernel compiles while the first step's forward and backward run.
-            start_compiling(device, params, kw["copies"], clipped=recipe.max_norm is not None)
+            start_compiling(device, params, kw["copies"], copies.low_grads if copies else None,
+                            clipped=recipe.max_norm is not None)
             return FusedAdamW(params, **kw)
     return AdamW(params, **kw)
 
@@ -60,7 +61,7 @@ def op_by_op_update(program: GraphProgram, clip: GlobalNormClip, optimizer: Adam
     (clipping them to the recipe's max_norm), computed on the device (runtime/grad_clip.py),
     then the optimizer step."""
     def update() -> torch.Tensor:
-        norm = clip([p.grad for p in program.params])
+        norm = clip(upcast_gradients(program.params, optimizer.copies))
         optimizer.step()
         return norm
     return update
@@ -109,8 +110,9 @@ class GraphProgram:
             load_param = load_param or (lambda p: materialize(p, seed=seed, device=device))
             self.specs = record.params
             self.params = [load_param(p) for p in record.params]
-            # The compute-dtype copies the forward takes instead of some parameters.
-            self.copies = ParamCopies(record.forward_inputs, self.params)
+            # The compute-dtype copies the forward takes instead of some parameters, and whether
+            # the backward gives their gradients.
+            self.copies = ParamCopies(record.forward_inputs, self.params, param_grad_dtypes(record, self.backward))
             self.micro_batches = micro_batches
             self.buffers = BufferState(record, device=device, load=load_buffer)
 
@@ -196,6 +198,13 @@ class GraphProgram:
         del saved
         self.buffers.copy_back(updates)  # after the backward: it may recompute from the old values
         return loss, [g for inp, g in zip(self.inputs, grads) if inp.kind == "param"]
+
+    def drop_gradients(self) -> None:
+        """Every parameter's gradient (and its copy's) released."""
+        for p, copy in zip(self.params, self.copies.copies):
+            p.grad = None
+            if copy is not None:
+                copy.grad = None
 
     def step_metrics(self) -> dict:
         """What the step's record gets from the program: the expert load (read from the

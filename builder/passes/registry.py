@@ -35,7 +35,7 @@ class PassContext:
     """Bucket records the passes add (the rank's bucket plan)."""
     input_casts: dict[int, str] = field(default_factory=dict)
     """Forward input index -> the dtype the forward now takes that parameter in (its copy, kept
-    by titan-run: fold_param_casts)."""
+    by titan-run: fold_param_casts); the backward's context shares the forward's."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -78,8 +78,9 @@ PASSES: dict[str, GraphPass] = {
     "fold_param_casts": GraphPass(
         target="titan.builder.passes.param_casts:fold_param_casts_pass", preserves_numerics=True,
         summary="""the forward takes each parameter as its compute-dtype copy, which titan-run's
-        optimizer step writes as it writes the parameter (the same rounding: same bits; one pass
-        over the parameters fewer per step)""", not_with=("pp",)),
+        optimizer step writes as it writes the parameter, and the backward returns the copy's
+        gradient, which the update upcasts as it reads it (the same roundings: same bits; a
+        pass over the parameters and one over the gradients fewer per step)""", not_with=("pp",)),
     "overlap_collectives": GraphPass(
         target="titan.builder.passes.overlap:overlap_collectives_pass", preserves_numerics=True,
         summary="""reorder only: issue collectives early (FSDP all-gathers one block ahead),

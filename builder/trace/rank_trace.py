@@ -174,7 +174,7 @@ def _trace_depth(job: RankJob, mesh, depth: int | None) -> RankResult:
         fw_ctx = PassContext(graph="forward", model=family, mesh_dims=groups, input_names=param_names,
                              output_names=[])
         bw_ctx = PassContext(graph="backward", model=family, mesh_dims=groups, input_names=[],
-                             output_names=param_names)
+                             output_names=param_names, input_casts=fw_ctx.input_casts)  # fold_param_casts
         for name in build.graph_passes:
             fw, bw = PASSES[name].fn(fw, ctx=fw_ctx), PASSES[name].fn(bw, ctx=bw_ctx)
         t_passes = time.perf_counter()

@@ -478,6 +478,16 @@ def check_graphs(record: RankRecord, forward: fx.GraphModule, backward: fx.Graph
         fail(where, f"backward graph takes {len(_placeholders(backward))} inputs, expected {saved} saved + 1")
     if len(_outputs(backward)) != len(inputs):
         fail(where, f"backward graph returns {len(_outputs(backward))} values for {len(inputs)} forward inputs")
+    param_specs = iter(record.params)
+    for inp, out in zip(inputs, _outputs(backward)):
+        if inp.kind != "param":
+            continue
+        spec, val = next(param_specs), getattr(out, "meta", {}).get("titan_val")
+        # A gradient is the parameter's, or its copy's (the runtime upcasts it: param_copies.py).
+        if not isinstance(val, dict) or val.get("shape") != list(spec.local_shape) or \
+                val.get("dtype") not in (spec.dtype, inp.cast):
+            fail(where, f"the backward graph's gradient of {inp.fqn} ({val}) is neither in its dtype nor in its "
+                        "copy's, or not of its shape")
     if record.stage is not None and record.stage.output_shape is not None:
         # What a stage sends is what the next stage's receive buffer is made for: the same shape.
         val = getattr(_outputs(forward)[updates], "meta", {}).get("titan_val")

@@ -1,7 +1,9 @@
-"""A bf16 artifact's forward takes its parameters as their bf16 copies (builder/passes/param_casts.py),
-which titan-run keeps and its optimizer step writes (runtime/param_copies.py): the training is
+"""A bf16 artifact's forward takes its parameters as their bf16 copies and its backward returns
+the copies' gradients (builder/passes/param_casts.py); titan-run keeps the copies, its optimizer
+step writes them and reads those gradients upcast (runtime/param_copies.py): the training is
 still eager's, bit for bit, with clipping and accumulation, and a resumed run makes its copies
-from the checkpoint's parameters."""
+from the checkpoint's parameters. (The captured step's bf16 gradients read by the one-kernel
+AdamW and the norm: tests/gpu/test_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import torch
 
 from conftest import assert_every_rank_equals_eager, read_metrics, titan
 from titan.runtime.contract.artifact import open_artifact
+from titan.runtime.param_copies import param_grad_dtypes
+from titan.runtime.rank_graphs import load_rank_graphs
 
 BF16 = ("--dtype", "bf16")
 
@@ -23,6 +27,9 @@ def test_the_forward_takes_bf16_copies_and_trains_bitwise_equal_to_eager(debug_a
     assert r.returncode == 0, r.stderr
     inputs = [line for line in r.stdout.splitlines() if " input " in line and ".weight" in line]
     assert len(inputs) == 21 and all("bfloat16[" in line for line in inputs)
+    # The backward returns the copies' gradients: bf16, upcast by the runtime as it reads them.
+    _, backward = load_rank_graphs(artifact, 1, device=torch.device("cpu"), groups={"tp": "tp"})
+    assert param_grad_dtypes(artifact.rank_record(1), backward) == [torch.bfloat16] * 21
     assert_every_rank_equals_eager(art, tmp_path, steps=4, ranks=2,
                                    extra=("--max-norm", "0.05", "--accumulation-steps", "2"))
 

@@ -191,8 +191,8 @@ def test_one_kernel_adamw_bitwise_equal_to_torch_single_tensor_adamw():
 @pytest.mark.gpu(count=1)
 def test_adamw_kernel_compiled_in_background_leaves_the_first_launch_nothing_to_compile(monkeypatch):
     """titan-run starts the update's compile on a thread as it makes the optimizer: every variant
-    the parameters take (element counts a multiple of 16 or not; clipped or not) is compiled
-    there, and the updates it then makes are torch's."""
+    the parameters take (element counts a multiple of 16 or not; a copy's dtype and its
+    gradient's; clipped or not) is compiled there, and the updates it then makes are torch's."""
     from titan.runtime import fused_adamw
 
     monkeypatch.setattr(fused_adamw, "_kernel", None)
@@ -202,11 +202,12 @@ def test_adamw_kernel_compiled_in_background_leaves_the_first_launch_nothing_to_
     g = torch.Generator(device="cuda").manual_seed(1)
     params = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
     copies = [None, torch.empty_like(params[1], dtype=torch.bfloat16), None, None]
-    fused_adamw.start_compiling(device, params, copies, clipped=True)
+    fused_adamw.start_compiling(device, params, copies, [False, True, False, False], clipped=True)
     kernel = fused_adamw._the_kernel()
     compiled = dict(kernel.device_caches[device.index][0])
-    # Three classes (a multiple of 16 or not; with a bf16 copy), each with and without the scale.
-    assert len(compiled) == 6
+    # Four classes (a multiple of 16 or not; with a bf16 copy and an fp32 or a bf16 gradient),
+    # each with and without the scale.
+    assert len(compiled) == 8
 
     ref_params = [p.clone() for p in params]
     hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -220,15 +221,21 @@ def test_adamw_kernel_compiled_in_background_leaves_the_first_launch_nothing_to_
         ref.step()
         assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
     ours.launch(torch.ones((), device="cuda"))  # the clipped variant
+    params[1].grad, copies[1].grad = None, torch.randn(4096, device="cuda", generator=g).to(torch.bfloat16)
+    ours.launch(torch.ones((), device="cuda"))  # the copy's bf16 gradient, as a captured step leaves it
     assert fused_adamw._the_kernel() is kernel and dict(kernel.device_caches[device.index][0]) == compiled
 
 
 @pytest.mark.gpu(count=1)
-def test_captured_update_with_the_clip_folded_in_is_bitwise_torch_clip_adamw_and_schedule():
+@pytest.mark.parametrize("with_copies", [False, True], ids=["fp32-grads", "copies-bf16-grads"])
+def test_captured_update_with_the_clip_folded_in_is_bitwise_torch_clip_adamw_and_schedule(with_copies):
     """The optimizer step as titan-run replays it (runtime/captured_update.py): the norm, the clip
     coefficient multiplied in by the AdamW kernel, the LR read from the device, one CUDA graph;
     against clip_grad_norm_, torch's single-tensor AdamW and LambdaLR. The clip acts on some steps
-    and not on others; a gradient moved to a new buffer is captured again, never read stale."""
+    and not on others; a gradient moved to a new buffer is captured again, never read stale.
+    `with_copies`: three parameters have bf16 copies (runtime/param_copies.py) and the step
+    leaves their gradients in bf16 on the copies, as a captured step does: the norm and the
+    update read those and upcast them, and torch gets the upcast gradients."""
     from titan.runtime.captured_update import CapturedUpdate
     from titan.runtime.fused_adamw import FusedAdamW
     from titan.runtime.grad_clip import GlobalNormClip
@@ -237,32 +244,44 @@ def test_captured_update_with_the_clip_folded_in_is_bitwise_torch_clip_adamw_and
     shapes = [(1000, 37), (4096,), (3, 5, 7), (1 << 20,), (1,)]
     params = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
     ref_params = [p.clone() for p in params]
+    copies = [torch.empty_like(p, dtype=torch.bfloat16) if with_copies and i in (0, 2, 3) else None
+              for i, p in enumerate(params)]
+    for p, c in zip(params, copies):
+        if c is not None:
+            c.copy_(p)
     hp = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     factor = lambda step: min(1.0, (step + 1) / 3) * (0.5 if step >= 5 else 1.0)  # noqa: E731
     schedule = type("Schedule", (), {"lr_at": staticmethod(lambda step: 3e-3 * factor(step))})()
-    ours = FusedAdamW(params, lr=3e-3, schedule=schedule, **hp)
+    ours = FusedAdamW(params, lr=3e-3, schedule=schedule, copies=copies, **hp)
     ref = torch.optim.AdamW(ref_params, lr=3e-3, foreach=False, **hp)
     scheduler = torch.optim.lr_scheduler.LambdaLR(ref, factor)
     max_norm = 5.0
     update = CapturedUpdate(GlobalNormClip([{} for _ in params], None, max_norm=max_norm), ours)
-    grads = [torch.empty_like(p) for p in params]
+
+    def buffers():
+        return [torch.empty_like(p, dtype=torch.float32 if c is None else c.dtype) for p, c in zip(params, copies)]
+    grads = buffers()
     clipped = []
     for step in range(8):
         if step == 6:  # new gradient buffers: a new capture
-            grads = [torch.empty_like(p) for p in params]
-        for p, q, buf in zip(params, ref_params, grads):
+            grads = buffers()
+        for p, q, c, buf in zip(params, ref_params, copies, grads):
             scale = torch.exp2(torch.randint(-30, 4, p.shape, device="cuda", generator=g).float())
             buf.copy_(torch.randn(p.shape, device="cuda", generator=g) * scale * (1e-6 if step % 2 else 1.0))
-            p.grad, q.grad = buf, buf.clone()
+            if c is None:
+                p.grad, q.grad = buf, buf.clone()
+            else:
+                p.grad, c.grad, q.grad = None, buf, buf.float()
         norm = update()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm, foreach=True)
         ref.step()
         scheduler.step()
         assert torch.equal(norm, ref_norm)
         clipped.append(bool(ref_norm > max_norm))
-        for p, q, m, v in zip(params, ref_params, ours.exp_avg, ours.exp_avg_sq):
+        for p, q, m, v, c in zip(params, ref_params, ours.exp_avg, ours.exp_avg_sq, copies):
             assert torch.equal(p, q)
             assert torch.equal(m, ref.state[q]["exp_avg"]) and torch.equal(v, ref.state[q]["exp_avg_sq"])
+            assert c is None or torch.equal(c, q.to(c.dtype))
     assert any(clipped) and not all(clipped)
     update.close()
 

@@ -509,3 +509,26 @@ def test_fold_param_casts_takes_each_parameter_as_its_one_cast_and_leaves_the_re
     before = listing(gm)
     backward = fold_param_casts_pass(gm, ctx=context("backward", output_names=["w"]))
     assert listing(backward) == before  # a backward graph is left as it is
+
+
+def test_fold_param_casts_returns_the_copies_gradients_where_the_upcast_is_all():
+    """Backward: w's gradient, the upcast of its copy's, is returned as the copy's; n's upcast
+    is also read by another node and v's forward took it as it is: both stay fp32."""
+    from titan.builder.passes.param_casts import fold_param_casts_pass
+
+    g = HandGraph()
+    gw, gn, gv = (g.input("gw", (8, 8), torch.bfloat16), g.input("gn", (8,), torch.bfloat16),
+                  g.input("gv", (8, 8), torch.bfloat16))
+    up_w = g(aten._to_copy.default, gw, dtype=torch.float32)
+    up_n = g(aten._to_copy.default, gn, dtype=torch.float32)
+    up_v = g(aten._to_copy.default, gv, dtype=torch.float32)
+    gm = g.finish(up_w, up_n, up_v, g(aten.sum.default, up_n))
+    ctx = context("backward", output_names=["w", "n", "v", None])
+    ctx.input_casts.update({0: "bfloat16", 1: "bfloat16"})
+    gm = fold_param_casts_pass(gm, ctx=ctx)
+    assert output_names(gm) == ["gw", "_to_copy", "_to_copy_1", "sum"]
+    assert listing(gm) == expected("""
+        _to_copy = _to_copy(gn, dtype=torch.float32)
+        _to_copy_1 = _to_copy(gv, dtype=torch.float32)
+        sum = sum(_to_copy)
+    """)
