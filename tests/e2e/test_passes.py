@@ -10,7 +10,7 @@ from titan.runtime.contract.artifact import open_artifact
 
 def test_vocab_parallel_embedding_mask_uses_where_not_index_put(debug_artifact):
     art = debug_artifact(tp=2)
-    assert open_artifact(art).manifest.passes == ("partition:min_cut", "mask_index_put_to_where",
+    assert open_artifact(art).manifest.passes == ("partition:min_cut", "mask_index_put_to_where", "fold_param_casts",
                                                   "overlap_collectives", "fuse_exact")
     out = titan("show", art, "--rank", 1).stdout
     # A boolean-mask index_put syncs with the host (nonzero), which CUDA graph capture refuses.
@@ -50,7 +50,7 @@ def test_fsdp_collectives_are_bucketed_per_block_and_recorded_in_the_plan(debug_
     bucketed = debug_artifact(dp_shard=2)
     art = open_artifact(bucketed)
     assert list(art.manifest.passes) == ["partition:min_cut", "mask_index_put_to_where", "bucket_all_gather",
-                                  "bucket_reduce_scatter", "overlap_collectives", "fuse_exact"]
+                                  "bucket_reduce_scatter", "fold_param_casts", "overlap_collectives", "fuse_exact"]
     # 21 parameters: one all-gather each in forward and one reduce-scatter each in backward,
     # merged into one per block (tok_embeddings, layers.0, layers.1, norm, output).
     assert (_collective_counts(unbucketed, "fw"), _collective_counts(unbucketed, "bw")) == (21, 21)
