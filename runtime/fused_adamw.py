@@ -130,8 +130,8 @@ def start_compiling(device: torch.device, params: list[torch.Tensor], copies: li
             f32 = torch.float32  # Triton's warm-up takes a dtype for a pointer: aligned, as allocations are
             for n, copy_dtype, grad_dtype in sorted(variants, key=str):
                 for scale in (False, True) if clipped else (False,):
-                    compiled = kernel.warmup(f32, grad_dtype, f32, f32, copy_dtype or f32, n, f32, f32, SCALE_GRAD=scale,
-                                             WRITE_COPY=copy_dtype is not None, BLOCK=BLOCK,
+                    compiled = kernel.warmup(f32, grad_dtype, f32, f32, copy_dtype or f32, n, f32, f32,
+                                             SCALE_GRAD=scale, WRITE_COPY=copy_dtype is not None, BLOCK=BLOCK,
                                              num_warps=NUM_WARPS, enable_fp_fusion=False, grid=(1,))
                     driver.active.launcher_cls(compiled.src, compiled.metadata)  # its launcher built and cached
             _kernel = kernel

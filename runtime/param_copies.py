@@ -58,10 +58,9 @@ class ParamCopies:
             if copy is not None:
                 copy.copy_(p)
 
-    def forward_value(self, index: int) -> torch.Tensor:
-        """What the forward takes for parameter `index`."""
-        copy = self.copies[index]
-        return self.params[index] if copy is None else copy
+    def forward_values(self) -> list[torch.Tensor]:
+        """What the forward takes for each parameter: its copy, or the parameter."""
+        return [p if copy is None else copy for p, copy in zip(self.params, self.copies)]
 
 
 def param_grad_dtypes(record: RankRecord, backward: fx.GraphModule) -> list[torch.dtype]:

@@ -154,8 +154,8 @@ class GraphProgram:
 
     def forward_args(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """The forward's inputs (the same for the bounded and the dropless program of a MoE)."""
-        params = iter(range(len(self.params)))
-        return [self.copies.forward_value(next(params)) if inp.kind == "param" else self.buffers.tensors[inp.fqn] if inp.kind == "buffer"
+        params = iter(self.copies.forward_values())
+        return [next(params) if inp.kind == "param" else self.buffers.tensors[inp.fqn] if inp.kind == "buffer"
                 else tokens if inp.kind == "tokens" else labels for inp in self.inputs]
 
     @torch.no_grad()
