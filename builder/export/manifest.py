@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from titan.builder.spec.cache_key import build_factors
 from titan.runtime.common.environment import installed_torch_version
 from titan.runtime.contract.hf_record import RECORD
-from titan.runtime.contract.manifest import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, MOE_CAPACITY_VERSION
+from titan.runtime.contract.manifest import ARTIFACT_FORMAT, MANIFEST, format_version
 
 if TYPE_CHECKING:
     from titan.builder.spec.build_spec import BuildSpec
@@ -29,12 +29,14 @@ def _hf_record(spec: BuildSpec) -> dict | None:
 
 
 def manifest_fields(spec: BuildSpec, factors: dict) -> dict:
-    # A bounded MoE artifact is a format a runtime without the redo must refuse, not run capped.
+    # A bounded MoE artifact, or one whose programs take parameter copies, is a format an older
+    # runtime must refuse (runtime/contract/manifest.py: format_version).
     capacity = {} if spec.moe_capacity is None else {
-        "format_version": MOE_CAPACITY_VERSION, "moe_capacity": {"factor": spec.moe_capacity, "drop": spec.moe_drop}}
+        "moe_capacity": {"factor": spec.moe_capacity, "drop": spec.moe_drop}}
     return {
         "format": ARTIFACT_FORMAT,
-        "format_version": ARTIFACT_VERSION,
+        "format_version": format_version(passes=list(spec.passes), dtype=factors["dtype"],
+                                         moe_capacity=spec.moe_capacity),
         "model": spec.model,
         "flavor": spec.flavor,
         "model_config": spec.cfg.as_dict(),

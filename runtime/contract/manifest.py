@@ -20,6 +20,19 @@ MOE_CAPACITY_VERSION = 3
 """3: version 2 plus a bounded MoE dispatch (`moe_capacity`, and the dropless `redo_programs`
 unless it drops): a runtime that cannot redo an overflowing step must refuse it, not run it
 capped. Every other artifact stays version 2."""
+PARAM_COPIES_VERSION = 4
+"""4: programs that take parameters as their compute-dtype copies and return the copies'
+gradients (GraphInput.cast: the `fold_param_casts` pass in a low-precision build), with or
+without a bounded MoE dispatch: a runtime that would pass the parameters as they are must
+refuse it."""
+READ_VERSIONS = (ARTIFACT_VERSION, MOE_CAPACITY_VERSION, PARAM_COPIES_VERSION)
+
+
+def format_version(*, passes, dtype, moe_capacity) -> int:
+    """The format version an artifact of these passes, dtype and MoE capacity is written in."""
+    if isinstance(passes, (list, tuple)) and "fold_param_casts" in passes and dtype != "float32":
+        return PARAM_COPIES_VERSION
+    return ARTIFACT_VERSION if moe_capacity is None else MOE_CAPACITY_VERSION
 MANIFEST = "manifest.json"
 REQUIRED = ("world_size", "mesh", "programs", "rank_programs", "files", "torch_version", "batch_size", "seq_len",
             "model_config")
@@ -171,7 +184,7 @@ class Manifest:
         return required(self.hf_checkpoint, where)
 
     def to_json(self) -> dict:
-        d = {"format": ARTIFACT_FORMAT, "format_version": ARTIFACT_VERSION, "model": self.model,
+        d = {"format": ARTIFACT_FORMAT, "model": self.model,
              "flavor": self.flavor, "model_config": self.model_config, "layout": self.layout.as_dict(),
              "mesh": [list(d) for d in self.layout.mesh_shape()], "world_size": self.world_size,
              "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": self.dtype, "ac": self.ac,
@@ -183,8 +196,8 @@ class Manifest:
              "files": self.files}
         if self.kernels:
             d["kernels"] = self.kernels
+        d["format_version"] = format_version(passes=self.passes, dtype=self.dtype, moe_capacity=self.moe_capacity)
         if self.moe_capacity is not None:
-            d["format_version"] = MOE_CAPACITY_VERSION
             d["moe_capacity"] = self.moe_capacity.to_json()
         if self.redo_programs:
             d["redo_programs"] = [p.to_json() for p in self.redo_programs]
@@ -200,9 +213,10 @@ class Manifest:
         mpath = Path(root) / MANIFEST
         if not isinstance(m, dict) or m.get("format") != ARTIFACT_FORMAT:
             raise ArtifactError(f"{mpath} is not a titan artifact manifest; rebuild with titan-build")
-        if m.get("format_version") not in (ARTIFACT_VERSION, MOE_CAPACITY_VERSION):
+        if m.get("format_version") not in READ_VERSIONS:
             raise ArtifactError(f"{root} has artifact format {m.get('format_version')!r}; this runtime reads "
-                                f"format {ARTIFACT_VERSION}: rebuild it with this version's titan-build")
+                                f"formats {READ_VERSIONS[0]} to {READ_VERSIONS[-1]}: rebuild it with this "
+                                "version's titan-build")
         for key in REQUIRED:
             if key not in m:
                 raise ArtifactError(f"{mpath} lacks '{key}'; rebuild with titan-build")
@@ -240,6 +254,10 @@ def _checked(m: dict) -> Manifest:
     passes = m.get("passes")
     if not isinstance(passes, list) or not all(isinstance(p, str) for p in passes):
         fail(where, "'passes' must list pass names")
+    copies = format_version(passes=passes, dtype=m.get("dtype"), moe_capacity=None) == PARAM_COPIES_VERSION
+    if copies != (m["format_version"] == PARAM_COPIES_VERSION):
+        fail(where, f"format version {PARAM_COPIES_VERSION} belongs with a low-precision build's fold_param_casts "
+                    "pass, and only with it")
     described = {key: check_str(m.get(key), where, key) for key in DESCRIBED}
     hf = None if m.get(RECORD) is None else HFRecord.from_json(m[RECORD], where)
     return Manifest(**described, model_config=cfg, layout=layout, world_size=world, batch_size=m["batch_size"],
@@ -320,8 +338,10 @@ def _moe_capacity(m: dict, files: dict, world: int, where: str,
     """The bounded MoE dispatch: format version 3 exactly when there is one, and redo programs
     exactly when it does not drop."""
     raw = m.get("moe_capacity")
-    if (raw is not None) != (m.get("format_version") == MOE_CAPACITY_VERSION):
-        fail(where, f"'moe_capacity' belongs with format version {MOE_CAPACITY_VERSION}")
+    if (raw is None and m.get("format_version") == MOE_CAPACITY_VERSION) or (
+            raw is not None and m.get("format_version") not in (MOE_CAPACITY_VERSION, PARAM_COPIES_VERSION)):
+        fail(where, f"'moe_capacity' belongs with format version {MOE_CAPACITY_VERSION} (or "
+                    f"{PARAM_COPIES_VERSION}, which also has it)")
     if raw is None:
         if "redo_programs" in m:
             fail(where, "'redo_programs' without 'moe_capacity'")

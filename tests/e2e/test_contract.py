@@ -41,7 +41,7 @@ def test_manifest_and_rank_records_read_back_what_titan_build_wrote(debug_artifa
     (dict(world_size=3), "manifest: mesh [['dp_shard', 2], ['tp', 2]] does not multiply to world size 3"),
     (dict(passes="fuse_exact"), "manifest: 'passes' must list pass names"),
     (dict(layout={"dp_replicate": 1, "dp_shard": 2, "ep": 1, "tp": 1}), "manifest: 'layout' disagrees with 'mesh'"),
-    (dict(format_version=1), "has artifact format 1; this runtime reads format 2"),
+    (dict(format_version=1), "has artifact format 1; this runtime reads formats 2 to 4"),
 ])
 def test_a_manifest_titan_build_would_not_write_is_refused_with_the_fix(debug_artifact, change, message):
     root = debug_artifact(tp=2, dp_shard=2)

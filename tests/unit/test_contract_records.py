@@ -73,7 +73,9 @@ DROP = object()
 
 @pytest.mark.parametrize("path, value, message", [
     ("format", "zip", "art/manifest.json is not a titan artifact manifest; rebuild with titan-build"),
-    ("format_version", 1, "art has artifact format 1; this runtime reads format 2: rebuild it"),
+    ("format_version", 1, "art has artifact format 1; this runtime reads formats 2 to 4: rebuild it"),
+    ("format_version", 4, "manifest: format version 4 belongs with a low-precision build's fold_param_casts pass, "
+                          "and only with it"),
     ("seq_len", DROP, "art/manifest.json lacks 'seq_len'; rebuild with titan-build"),
     ("world_size", 8, "manifest: mesh [['dp_shard', 2], ['tp', 2]] does not multiply to world size 8"),
     ("mesh", [["tp", 2], ["dp_shard", 2]], "manifest: mesh dimensions out of order"),
@@ -262,6 +264,19 @@ def test_a_bounded_moe_manifest_reads_back_with_its_redo_programs():
     dropping = Manifest.from_json(_bounded(drop=True), "art")
     assert dropping.moe_capacity.drop and dropping.redo_programs == ()
     assert _through_json(_manifest().to_json())["format_version"] == 2  # every other artifact stays format 2
+
+
+def test_a_manifest_whose_programs_take_parameter_copies_is_format_4_with_or_without_a_moe_capacity():
+    """A runtime from before the copies (runtime/param_copies.py) reads formats 2 and 3 only: it
+    refuses these in one line instead of passing fp32 parameters to a bf16 graph."""
+    copies = _manifest(dtype="bfloat16", passes=("partition:min_cut", "fold_param_casts"))
+    doc = _through_json(copies.to_json())
+    assert doc["format_version"] == 4 and Manifest.from_json(doc, "art") == copies
+    assert _through_json(_manifest(dtype="float32", passes=copies.passes).to_json())["format_version"] == 2
+    bounded = _bounded() | {"format_version": 4, "dtype": "bfloat16", "passes": list(copies.passes)}
+    assert Manifest.from_json(bounded, "art").to_json() == bounded
+    with pytest.raises(ValueError, match="format version 4 belongs with a low-precision build's fold_param_casts"):
+        Manifest.from_json(doc | {"format_version": 2}, "art")
 
 
 @pytest.mark.parametrize("edit, message", [
