@@ -30,18 +30,22 @@ COPY_DTYPES = (torch.bfloat16, torch.float16)
 """The compute dtypes a parameter's copy may have (runtime/contract/rank_record.py: CAST_DTYPES)."""
 
 
+def _plain_cast(node) -> torch.dtype | None:
+    """The dtype `node` casts its input to, if it is a plain cast (a dtype change only)."""
+    if not isinstance(node, fx.Node) or node.target is not aten._to_copy.default or not exact_op(node):
+        return None
+    return node.kwargs.get("dtype")
+
+
 def _cast_dtype(param: fx.Node) -> torch.dtype | None:
     """The one dtype every use of `param` casts it to, if that is all its uses do."""
     users = list(param.users)
     if param.meta["val"].dtype != torch.float32 or not users:
         return None
-    dtypes = set()
-    for user in users:
-        if user.target is not aten._to_copy.default or not exact_op(user) or user.args[0] is not param:
-            return None
-        if any(u.op == "call_function" and u.target in STARTS for u in user.users):
-            return None
-        dtypes.add(user.kwargs.get("dtype"))
+    dtypes = {_plain_cast(user) for user in users}
+    if any(user.args[0] is not param or any(u.op == "call_function" and u.target in STARTS for u in user.users)
+           for user in users):
+        return None
     return dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in COPY_DTYPES else None
 
 
@@ -73,8 +77,7 @@ def _return_copy_gradients(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     grads = list(output.args[0])
     for index, dtype in ctx.input_casts.items():
         upcast = grads[index]
-        if (not isinstance(upcast, fx.Node) or upcast.target is not aten._to_copy.default or not exact_op(upcast)
-                or upcast.kwargs.get("dtype") != torch.float32 or len(upcast.users) != 1
+        if (_plain_cast(upcast) != torch.float32 or len(upcast.users) != 1
                 or str(upcast.args[0].meta["val"].dtype).removeprefix("torch.") != dtype):
             continue
         grads[index] = upcast.args[0]
